@@ -1,0 +1,151 @@
+"""``kvshare export`` and ``kvshare inspect``: PEFT checkpoint -> adapter folder + manifest.
+
+Export validates everything first (checkpoint, base, kind rules), then writes into a
+temporary sibling folder and renames it into place, so a failed export leaves nothing
+behind and an existing adapter is only replaced with ``force``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import manifest, zoo
+from .adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_against_base,
+    check_kind_rules,
+    lora_modules,
+    read_peft_checkpoint,
+    target_leaves,
+)
+from .errors import KvshareError
+from .fingerprint import fingerprints
+from .fsutil import fsync_files, replace_dir
+from .models import load_tokenizer, model_family, resolve_model_dir
+from .safetensors_io import tensor_specs
+from .sharing import AdapterKind, parse_kind
+
+
+@dataclass(frozen=True)
+class BaseInfo:
+    """A resolved base model: where it is, what to call it, what it is."""
+
+    name: str
+    folder: Path
+    family: str
+    fingerprint: str
+    tokenizer_fingerprint: str
+
+
+def resolve_base(name_or_dir: str | Path) -> BaseInfo:
+    folder = resolve_model_dir(name_or_dir)
+    text = str(name_or_dir)
+    name = text if text in zoo.ZOO and not Path(text).is_dir() else folder.resolve().name
+    prints = fingerprints(folder)
+    return BaseInfo(name, folder, model_family(folder), prints.base, prints.tokenizer)
+
+
+def export_adapter(
+    checkpoint_dir: str | Path,
+    *,
+    kind: AdapterKind | str,
+    base: str | Path,
+    out: str | Path,
+    name: str | None = None,
+    invocation: str | None = None,
+    provenance: dict | None = None,
+    eval_scores: dict | None = None,
+    force: bool = False,
+) -> Path:
+    """Check a PEFT LoRA checkpoint and write it with its manifest to ``out``."""
+    kind = parse_kind(kind) if isinstance(kind, str) else kind
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    ckpt = read_peft_checkpoint(checkpoint_dir)
+    if out.resolve() == checkpoint_dir.resolve() or checkpoint_dir.resolve() in out.resolve().parents:
+        raise KvshareError("--out must be a new folder outside CHECKPOINT_DIR")
+    if out.exists() and not force:
+        raise KvshareError(f"{out} already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise KvshareError(f"{out} exists and is not a folder")
+
+    base_info = resolve_base(base)
+    modules = lora_modules(ckpt)
+    check_against_base(ckpt, modules, base_info.folder)
+    leaves = target_leaves(ckpt, modules)
+    tokenizer = load_tokenizer(base_info.folder) if kind is AdapterKind.ALORA else None
+    invocation_ids = check_kind_rules(kind, ckpt, leaves, invocation, tokenizer)
+
+    config = ckpt.config
+    data = manifest.build(
+        name=name or out.resolve().name,
+        kind=kind,
+        base_name=base_info.name,
+        base_family=base_info.family,
+        base_fingerprint=base_info.fingerprint,
+        tokenizer_fingerprint=base_info.tokenizer_fingerprint,
+        rank=int(config["r"]),
+        alpha=config.get("lora_alpha", config["r"]),
+        dropout=config.get("lora_dropout"),
+        use_rslora=config.get("use_rslora"),
+        target_modules=leaves,
+        invocation_string=invocation if invocation_ids else None,
+        invocation_token_ids=invocation_ids,
+        provenance={"source_checkpoint": str(checkpoint_dir.resolve()), **(provenance or {})},
+        eval_scores=eval_scores,
+    )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            shutil.copyfile(checkpoint_dir / file, staging / file)
+        if tensor_specs(staging / ADAPTER_WEIGHTS) != ckpt.specs:
+            raise KvshareError(f"copy of {ADAPTER_WEIGHTS} does not match the source")
+        manifest.write(data, staging)
+        fsync_files(staging)
+        replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) -> dict:
+    """Check an exported adapter folder; with ``base``, also that it belongs to that base.
+
+    Returns the manifest. Raises KvshareError on the first problem.
+    """
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise KvshareError(f"{adapter_dir}: no such adapter folder")
+    data = manifest.read(adapter_dir)
+    ckpt = read_peft_checkpoint(adapter_dir)
+    modules = lora_modules(ckpt)
+    kind = parse_kind(data["kind"])
+    leaves = target_leaves(ckpt, modules)
+    if int(ckpt.config["r"]) != data["lora"]["rank"] or sorted(leaves) != sorted(
+        data["lora"]["target_modules"]
+    ):
+        raise KvshareError(f"{adapter_dir}: kvshare.json disagrees with {ADAPTER_CONFIG} (rank or targets)")
+    invocation = data.get("alora", {}).get("invocation_string")
+    if kind is AdapterKind.ALORA and data["alora"]["invocation_token_ids"] != ckpt.invocation_tokens:
+        raise KvshareError(f"{adapter_dir}: invocation token ids differ between kvshare.json and {ADAPTER_CONFIG}")
+    tokenizer = None
+    if base is not None:
+        base_info = resolve_base(base)
+        expected = data["base_model"]["fingerprint"]
+        if base_info.fingerprint != expected:
+            raise KvshareError(
+                f"{adapter_dir}: adapter {data['name']!r} was made for base "
+                f"{data['base_model']['name']!r} ({expected[:19]}...), but {base} is "
+                f"{base_info.fingerprint[:19]}...; its KV and weights would not match"
+            )
+        check_against_base(ckpt, modules, base_info.folder)
+        if kind is AdapterKind.ALORA:
+            tokenizer = load_tokenizer(base_info.folder)
+    check_kind_rules(kind, ckpt, leaves, invocation, tokenizer)
+    return data

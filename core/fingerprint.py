@@ -1,0 +1,127 @@
+"""Stable identifiers of a base model and of its tokenizer.
+
+KV computed by one base is only reusable by requests on the very same base, so every
+adapter manifest and every prefix-cache key carries the base fingerprint: a hash of the
+architecture config, the tokenizer vocabulary and the weight bytes. It is computed once and
+cached beside the model (keyed by the files' sizes and modification times), so a
+checkpoint saved again - same tensors, new files - keeps its fingerprint, while any change
+of weights, vocabulary or architecture gives a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import KvshareError
+from .fsutil import write_text_atomic
+from .safetensors_io import model_weight_files
+
+CACHE_FILE = "kvshare-fingerprint.json"
+CACHE_VERSION = 1
+
+# Config keys that describe a run or a save, not the architecture.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype", "dtype",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "_attn_implementation", "_attn_implementation_autoset", "_commit_hash",
+    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "architectures",
+}
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    base: str  # architecture + tokenizer vocabulary + weights
+    tokenizer: str  # tokenizer vocabulary alone
+
+
+def fingerprints(model_dir: Path) -> Fingerprints:
+    """Return the model folder's fingerprints, from the cache file when it is still valid."""
+    model_dir = Path(model_dir)
+    stats = _file_stats(model_dir)
+    cache = model_dir / CACHE_FILE
+    if cache.is_file():
+        try:
+            data = json.loads(cache.read_text())
+            if data.get("version") == CACHE_VERSION and data.get("files") == stats:
+                return Fingerprints(data["base"], data["tokenizer"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a damaged cache is simply recomputed
+    result = compute_fingerprints(model_dir)
+    payload = {"version": CACHE_VERSION, "base": result.base, "tokenizer": result.tokenizer,
+               "files": stats}
+    try:
+        write_text_atomic(cache, json.dumps(payload, indent=1))
+    except OSError:
+        pass  # read-only model folder: the fingerprint is still correct, just not cached
+    return result
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    return fingerprints(model_dir).base
+
+
+def compute_fingerprints(model_dir: Path) -> Fingerprints:
+    """Hash architecture, vocabulary and weights from scratch (no cache)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True).to_dict()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise KvshareError(f"{model_dir}: cannot read config or tokenizer ({err})") from None
+    arch = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
+    vocab = _tokenizer_digest(tokenizer)
+
+    digest = hashlib.sha256()
+    digest.update(b"kvshare-base-v1\0")
+    digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
+    digest.update(vocab.encode())
+    skip = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    for file in model_weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in sorted(handle.keys()):
+                if name in skip:
+                    continue
+                tensor = handle.get_tensor(name).contiguous()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
+                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return Fingerprints(f"sha256:{digest.hexdigest()}", f"sha256:{vocab}")
+
+
+def tokenizer_fingerprint_of(tokenizer) -> str:
+    """Fingerprint of an already loaded tokenizer (vocabulary and special tokens)."""
+    return f"sha256:{_tokenizer_digest(tokenizer)}"
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_stats(model_dir: Path) -> dict[str, list[int]]:
+    stats = {}
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and _hashed_input(path.name):
+            st = path.stat()
+            stats[path.name] = [st.st_size, st.st_mtime_ns]
+    return stats
+
+
+def _hashed_input(name: str) -> bool:
+    """Files the fingerprint reads (directly or through transformers)."""
+    return (
+        name == "config.json"
+        or name.endswith(".safetensors")
+        or name == "model.safetensors.index.json"
+        or name.startswith("tokenizer")
+        or name in {"special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt"}
+    )

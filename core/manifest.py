@@ -1,0 +1,124 @@
+"""The adapter manifest, ``kvshare.json``: what an adapter is and which KV it may share.
+
+It sits beside PEFT's own files, so ``PeftModel.from_pretrained`` still loads the folder
+unchanged. The JSON Schema in ``schemas/manifest.schema.json`` is the contract; it is
+enforced on every read and every write, and writes are atomic (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator, FormatChecker
+
+from . import __version__
+from .errors import KvshareError
+from .fsutil import write_text_atomic
+from .safetensors_io import read_json
+from .sharing import AdapterKind, parse_kind, sharing_rule
+
+MANIFEST_FILE = "kvshare.json"
+FORMAT_VERSION = 1
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "manifest.schema.json"
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+@lru_cache(maxsize=1)
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(schema(), format_checker=FormatChecker())
+
+
+def validate(data: Any, source: str = "manifest") -> None:
+    """Raise KvshareError naming the first schema violation, if any."""
+    if isinstance(data, dict) and "kind" in data and isinstance(data["kind"], str):
+        parse_kind(data["kind"])  # a clearer message than the schema's enum error
+    errors = sorted(_validator().iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise KvshareError(f"{source}: invalid manifest at {where}: {err.message}{more}")
+
+
+def build(
+    *,
+    name: str,
+    kind: AdapterKind | str,
+    base_name: str,
+    base_family: str,
+    base_fingerprint: str,
+    tokenizer_fingerprint: str,
+    rank: int,
+    alpha: float,
+    target_modules: list[str],
+    dropout: float | None = None,
+    use_rslora: bool | None = None,
+    invocation_string: str | None = None,
+    invocation_token_ids: list[int] | None = None,
+    provenance: dict | None = None,
+    eval_scores: dict | None = None,
+) -> dict:
+    """Assemble a manifest dict (validated) from its parts; the sharing rule comes from the kind."""
+    kind = parse_kind(kind) if isinstance(kind, str) else kind
+    lora: dict[str, Any] = {"rank": rank, "alpha": alpha, "target_modules": list(target_modules)}
+    if dropout is not None:
+        lora["dropout"] = dropout
+    if use_rslora is not None:
+        lora["use_rslora"] = use_rslora
+    data: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "kind": kind.value,
+        "kv_sharing": sharing_rule(kind).to_json(),
+        "base_model": {
+            "name": base_name,
+            "family": base_family,
+            "fingerprint": base_fingerprint,
+            "tokenizer_fingerprint": tokenizer_fingerprint,
+        },
+        "lora": lora,
+        "provenance": {
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "kvshare_version": __version__,
+            **(provenance or {}),
+        },
+    }
+    if kind is AdapterKind.ALORA:
+        data["alora"] = {
+            "invocation_string": invocation_string,
+            "invocation_token_ids": list(invocation_token_ids or []),
+        }
+    if eval_scores:
+        data["eval"] = eval_scores
+    validate(data, source=f"manifest for {name!r}")
+    return data
+
+
+def read(path: Path) -> dict:
+    """Read and validate ``kvshare.json`` (give the file or its adapter folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_FILE
+    data = read_json(path)
+    validate(data, source=str(path))
+    if data["kv_sharing"] != sharing_rule(data["kind"]).to_json():
+        raise KvshareError(
+            f"{path}: kv_sharing does not state the rule of kind {data['kind']!r}"
+        )
+    return data
+
+
+def write(data: dict, folder: Path) -> Path:
+    """Validate, then write ``folder/kvshare.json`` atomically. Returns the file path."""
+    validate(data, source=f"manifest for {folder}")
+    target = Path(folder) / MANIFEST_FILE
+    write_text_atomic(target, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return target

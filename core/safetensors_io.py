@@ -1,0 +1,103 @@
+"""Safe reading of weight files: safetensors only, every failure a clear KvshareError.
+
+Pickle-based checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused without being
+opened: unpickling a user file can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from .errors import KvshareError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str  # safetensors dtype name, e.g. "F32", "BF16"
+    shape: tuple[int, ...]
+
+
+def tensor_specs(path: Path) -> dict[str, TensorSpec]:
+    """Names, dtypes and shapes of a safetensors file, read from its header only."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            specs = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                specs[name] = TensorSpec(str(view.get_dtype()), tuple(view.get_shape()))
+            return specs
+    except (SafetensorError, OSError, ValueError) as err:
+        raise KvshareError(f"{path}: not a valid safetensors file ({_one_line(err)})") from None
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such file")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise KvshareError(f"{path}: not a valid safetensors file ({_one_line(err)})") from None
+
+
+def model_weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face model folder (single file or sharded).
+
+    Refuses folders that only hold pickle checkpoints, naming the file found.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = read_json(index)
+        shards = sorted(set(data.get("weight_map", {}).values()))
+        if not shards:
+            raise KvshareError(f"{index}: weight_map is empty")
+        files = [model_dir / shard for shard in shards]
+        for file in files:
+            if not file.is_file():
+                raise KvshareError(f"{index} names {file.name}, which is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    refuse_pickles(model_dir, what="model weights")
+    raise KvshareError(f"{model_dir}: no model.safetensors found")
+
+
+def refuse_pickles(folder: Path, what: str) -> None:
+    """Raise a clear error if ``folder`` holds only pickle checkpoints for ``what``."""
+    pickles = sorted(p.name for p in Path(folder).iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise KvshareError(
+            f"{folder}: {what} are only in pickle format ({', '.join(pickles)}); kvshare loads "
+            "safetensors only and never unpickles user files - convert them to safetensors first"
+        )
+
+
+def read_json(path: Path) -> dict:
+    """Read a JSON object from a file, turning every failure into a one-line KvshareError."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise KvshareError(f"{path}: malformed JSON ({_one_line(err)})") from None
+    if not isinstance(data, dict):
+        raise KvshareError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

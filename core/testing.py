@@ -1,0 +1,159 @@
+"""Tiny random Llama-family models saved as real Hugging Face folders, for tests.
+
+Every component is tested through its real loading path (config.json, safetensors,
+tokenizer.json, chat template), so the factory writes complete folders. The tokenizer is a
+real byte-level BPE trained in milliseconds on a built-in text, with ChatML special tokens
+like SmolLM2's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|invoke|>", "<|end_invoke|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A team of agents shares one base model and
+one key-value cache. Question: what is 12 plus 30? Answer: 42. The answer is 7.
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i * 2)
+Paris is the capital of France. Rome is the capital of Italy. Who wrote the report?
+Evaluate the answer above: is it correct? Yes. No. #### 18
+0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } : ; , . ! ? ' "
+"""
+
+
+def make_tokenizer(vocab_size: int = 400):
+    """A real byte-level BPE tokenizer (transformers' fast tokenizer) with ChatML tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator([_CORPUS] * 4, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(family: str = "llama", *, vocab_size: int, num_layers: int = 2,
+                tied: bool = True):
+    """Config of a tiny grouped-query-attention model (4 query heads over 2 KV heads)."""
+    from transformers import AutoConfig
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,  # peakier logits than 0.02, so greedy ties are unlikely
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "mistral":
+        common["sliding_window"] = None
+    if family in ("qwen2", "qwen3"):
+        common["use_sliding_window"] = False
+    return AutoConfig.for_model(family, **common)
+
+
+def make_tiny_model(
+    out_dir: Path | str,
+    family: str = "llama",
+    *,
+    num_layers: int = 2,
+    tied: bool = True,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random tiny model of ``family`` with a real tokenizer to ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = make_tokenizer()
+    config = tiny_config(family, vocab_size=len(tokenizer), num_layers=num_layers, tied=tied)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+ICARUS_TARGETS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(
+    base_dir: Path | str,
+    out_dir: Path | str,
+    *,
+    target_modules: tuple[str, ...] | list[str] = ICARUS_TARGETS,
+    rank: int = 4,
+    alpha: float = 8.0,
+    invocation_tokens: list[int] | None = None,
+    task_type: str | None = "CAUSAL_LM",
+    seed: int = 0,
+) -> Path:
+    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B.
+
+    PEFT initialises B to zero (an adapter equal to the base); tests of sharing need
+    adapters that really change the output, so both factors are randomised here.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        task_type=task_type,
+        alora_invocation_tokens=invocation_tokens,
+    )
+    model = get_peft_model(base, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_A" in name or "lora_B" in name:
+                    param.normal_(0.0, 0.2)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,1 @@
+"""kvshare.kernels: the engine's compute operations, each with a plain-torch reference."""

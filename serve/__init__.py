@@ -1,0 +1,1 @@
+"""kvshare.serve: the serving engine with one paged KV pool shared across adapters (see the engine issue)."""

