@@ -144,7 +144,10 @@ def check_against_base(ckpt: PeftCheckpoint, modules: list[LoraModule], base_dir
 
 
 def target_leaves(ckpt: PeftCheckpoint, modules: list[LoraModule]) -> list[str]:
-    """Module leaf names the adapter touches (q_proj, o_proj, ...), in first-seen order."""
+    """Module leaf names the adapter touches (q_proj, o_proj, ...), sorted.
+
+    Sorted because PEFT stores target_modules as a set: its order varies between runs.
+    """
     seen: dict[str, None] = {}
     targets = ckpt.config.get("target_modules")
     if isinstance(targets, list):
@@ -152,7 +155,7 @@ def target_leaves(ckpt: PeftCheckpoint, modules: list[LoraModule]) -> list[str]:
             seen.setdefault(target.rsplit(".", 1)[-1], None)
     for module in modules:
         seen.setdefault(module.leaf, None)
-    return list(seen)
+    return sorted(seen)
 
 
 def check_kind_rules(
@@ -170,7 +173,7 @@ def check_kind_rules(
                 f"{ckpt.folder}: adapter_config.json sets alora_invocation_tokens, so PEFT runs it "
                 f"as an aLoRA; export it with --kind alora, not {kind.value}"
             )
-        forbidden = [m for m in leaves if m in sharing_rule(kind).forbidden_target_modules]
+        forbidden = sorted(m for m in leaves if m in sharing_rule(kind).forbidden_target_modules)
         if forbidden:
             raise KvshareError(
                 f"{ckpt.folder}: an {kind.value} adapter may not target {', '.join(forbidden)}: "
