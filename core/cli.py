@@ -94,6 +94,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train.cli import run
+
+    return run(args)
+
+
+def _cmd_plot_loss(args: argparse.Namespace) -> int:
+    from .train.plot import plot_loss_curves
+
+    out = plot_loss_curves(args.runs, args.out, labels=args.label)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -146,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("adapter", metavar="DIR", help="exported adapter folder")
     p.add_argument("--base", metavar="MODEL", help="zoo name or local model folder to check against")
     p.set_defaults(func=_cmd_inspect)
+
+    from .train.cli import add_arguments as add_train_arguments
+
+    p = sub.add_parser("train", help="train an adapter from a recipe (in-process)",
+                       description="Train an ICaRus, aLoRA or LoRA adapter from a YAML recipe; the "
+                       "same code as `accelerate launch -m kvshare.train RECIPE.yaml`.")
+    add_train_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("plot-loss", help="overlay the loss curves of training runs",
+                       description="Plot loss against step for one or more run folders "
+                       "(their metrics.jsonl) on one chart, e.g. ICaRus vs LoRA on one task.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training output folders")
+    p.add_argument("--out", required=True, metavar="PNG", help="image to write")
+    p.add_argument("--label", action="append", help="legend label per run (default: run name)")
+    p.set_defaults(func=_cmd_plot_loss)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
                        description="Pull SmolLM2-135M-Instruct if needed, load it through "

@@ -1,0 +1,43 @@
+"""Command line of the trainer, shared by ``python -m kvshare.train`` and ``kvshare train``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import KvshareError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", metavar="RECIPE.yaml", help="training recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="override recipe fields, e.g. train.lr=1e-4 train.max_steps=20")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in output_dir from its latest checkpoint")
+    parser.add_argument("--stop-after", type=int, metavar="STEPS",
+                        help="stop (resumably) after this many optimizer steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .recipe import load_recipe
+    from .trainer import train
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    summary = train(recipe, recipe_path=args.recipe, resume=args.resume, stop_after=args.stop_after)
+    if summary.get("adapter"):
+        print(json.dumps({k: summary[k] for k in ("name", "kind", "steps", "final_loss",
+                                                   "seconds_per_step", "adapter")}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvshare.train",
+                                     description="Train an ICaRus, aLoRA or LoRA adapter from a recipe.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KvshareError as err:
+        print(f"kvshare: error: {err}", file=sys.stderr)
+        return 1

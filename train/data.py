@@ -1,0 +1,186 @@
+"""Training data: named loaders for the task families, local first, Hugging Face Hub second.
+
+Each loader yields :class:`Example` (prompt text and response text, plus a stable id).
+Files come from ``$KVSHARE_DATA`` (default ``../shared/data``); without them a loader reads
+the same data from the Hub by name. No evaluation record ever reaches training: every loader
+passes its ids through :func:`kvshare.splits.is_eval_record`, and files that are wholly
+evaluation data are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..errors import KvshareError
+from ..paths import data_dir
+from ..splits import EVAL_FILES, EVAL_HUB_SPLITS, MBPP_SPLITS, SQUAD_TRAIN_TITLES, is_eval_record
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str  # "<source>/<record id>"
+    prompt: str
+    response: str
+
+
+def _jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _json(path: Path):
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _instruction_prompt(row: dict) -> str:
+    extra = (row.get("input") or "").strip()
+    return row["instruction"].strip() + (f"\n\n{extra}" if extra else "")
+
+
+def _gsm8k(rows: Iterable[dict]) -> Iterable[tuple[str, str, str]]:
+    for i, row in enumerate(rows):
+        yield str(i), row["question"].strip(), row["answer"].strip()
+
+
+def _math_cot(rows):
+    for i, row in enumerate(rows):
+        yield str(i), _instruction_prompt(row), row["output"].strip()
+
+
+def _instructions(rows):
+    for i, row in enumerate(rows):
+        yield str(i), _instruction_prompt(row), row["output"].strip()
+
+
+def mbpp_prompt(row: dict) -> str:
+    tests = "\n".join(row["test_list"])
+    return f"{row['text'].strip()}\nYour code should pass these tests:\n{tests}"
+
+
+def _mbpp(rows):
+    for row in rows:
+        if int(row["task_id"]) in MBPP_SPLITS["train"]:
+            code = row["code"].replace("\r\n", "\n").strip()
+            yield str(row["task_id"]), mbpp_prompt(row), f"```python\n{code}\n```"
+
+
+def qa_prompt(question: str, paragraphs: list[tuple[str, str]]) -> str:
+    """Question + context paragraphs, the layout the QA adapter is trained and scored on."""
+    context = "\n\n".join(f"{title}: {text}" if title else text for title, text in paragraphs)
+    return f"{context}\n\nAnswer the question with a short phrase from the text.\nQuestion: {question.strip()}"
+
+
+def _squad(data):
+    articles = data["data"] if isinstance(data, dict) else data
+    for article in articles:
+        if article["title"] not in SQUAD_TRAIN_TITLES:
+            continue
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                yield (f"{article['title']}/{qa['id']}",
+                       qa_prompt(qa["question"], [("", paragraph["context"])]),
+                       qa["answers"][0]["text"].strip())
+
+
+def _hotpotqa(rows):
+    for row in rows:
+        ctx = row["context"]
+        paragraphs = [(t, "".join(s)) for t, s in zip(ctx["title"], ctx["sentences"])]
+        yield row["id"], qa_prompt(row["question"], paragraphs), row["answer"].strip()
+
+
+@dataclass(frozen=True)
+class Loader:
+    local: str  # path under the data folder
+    read: Callable[[Path], object]
+    parse: Callable
+    hub: tuple[str, str | None, str] | None  # (dataset id, config, split)
+
+
+LOADERS: dict[str, Loader] = {
+    "gsm8k": Loader("gsm8k/train.jsonl", _jsonl, _gsm8k, ("openai/gsm8k", "main", "train")),
+    "math_cot": Loader("math_cot/math_data.json", _json, _math_cot, None),
+    "mbpp": Loader("mbpp/mbpp.jsonl", _jsonl, _mbpp, ("google-research-datasets/mbpp", "full", "train")),
+    "code_alpaca": Loader("code_alpaca/code_alpaca_2k.json", _json, _instructions,
+                          ("sahil280114/codealpaca", None, "train")),
+    "squad": Loader("squad/dev-v1.1-small.json", _json, _squad, None),
+    "hotpotqa": Loader("hotpotqa/dev_500_hf.jsonl", _jsonl, _hotpotqa, None),
+    "alpaca": Loader("alpaca/alpaca_small.json", _json, _instructions, ("tatsu-lab/alpaca", None, "train")),
+}
+
+
+def load_named(name: str, limit: int | None = None) -> list[Example]:
+    """Examples of a named loader, from the local data folder or else the Hub."""
+    if name not in LOADERS:
+        raise KvshareError(f"unknown data set {name!r} (known: {', '.join(sorted(LOADERS))})")
+    loader = LOADERS[name]
+    folder = data_dir()
+    local = folder / loader.local if folder else None
+    if local is not None and local.is_file():
+        rows = loader.read(local)
+    elif loader.hub is not None:
+        rows = _hub_rows(*loader.hub)
+    else:
+        raise KvshareError(f"data set {name!r} needs {loader.local} under KVSHARE_DATA "
+                           f"(looked in {folder}); it has no Hub fallback")
+    examples = []
+    for record_id, prompt, response in loader.parse(rows):
+        if is_eval_record(name, record_id):
+            continue  # held out for evaluation
+        examples.append(Example(f"{name}/{record_id}", prompt, response))
+        if limit is not None and len(examples) >= limit:
+            break
+    return examples
+
+
+def load_file(path: str | Path, prompt_field: str, response_field: str,
+              limit: int | None = None) -> list[Example]:
+    """Examples from a local JSON or JSONL file of records with the two given fields."""
+    path = Path(path)
+    folder = data_dir()
+    for eval_file in EVAL_FILES:
+        if folder is not None and path.resolve() == (folder / eval_file).resolve():
+            raise KvshareError(f"{path} is evaluation data ({eval_file}); it may not be trained on")
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such data file")
+    try:
+        rows = _jsonl(path) if path.suffix == ".jsonl" else _json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise KvshareError(f"{path}: malformed JSON ({err})") from None
+    return _field_examples(path.stem, rows, prompt_field, response_field, limit)
+
+
+def load_hub(dataset: str, split: str, prompt_field: str, response_field: str,
+             config: str | None = None, limit: int | None = None) -> list[Example]:
+    if split in EVAL_HUB_SPLITS.get(dataset, set()):
+        raise KvshareError(f"{dataset} split {split!r} is evaluation data; it may not be trained on")
+    return _field_examples(dataset, _hub_rows(dataset, config, split), prompt_field,
+                           response_field, limit)
+
+
+def _field_examples(source: str, rows, prompt_field: str, response_field: str,
+                    limit: int | None) -> list[Example]:
+    examples = []
+    for i, row in enumerate(rows):
+        if prompt_field not in row or response_field not in row:
+            raise KvshareError(f"{source}: record {i} lacks field {prompt_field!r} or {response_field!r}")
+        examples.append(Example(f"{source}/{i}", str(row[prompt_field]), str(row[response_field])))
+        if limit is not None and len(examples) >= limit:
+            break
+    return examples
+
+
+def _hub_rows(dataset: str, config: str | None, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(dataset, config, split=split)
+    except Exception as err:  # the hub raises many types; all mean "not available here"
+        raise KvshareError(
+            f"could not load {dataset} ({split}) from the Hugging Face Hub and no local copy was "
+            f"found: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None

@@ -1,0 +1,45 @@
+"""Loss curves of several runs on one chart (e.g. ICaRus vs LoRA vs aLoRA on one task)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import KvshareError
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise KvshareError(f"{run_dir}: no metrics.jsonl (is it a training output folder?)")
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as err:
+        raise KvshareError(f"{path}: malformed line ({err})") from None
+
+
+def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KvshareError("plotting needs matplotlib: pip install 'kvshare[plot]'") from None
+    if labels and len(labels) != len(runs):
+        raise KvshareError(f"{len(labels)} labels for {len(runs)} runs")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, run in enumerate(runs):
+        rows = read_metrics(Path(run))
+        label = labels[i] if labels else Path(run).name
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (response tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,160 @@
+"""Training recipes: YAML files validated into one typed object, with command-line overrides.
+
+A recipe names the base, the adapter kind and its LoRA shape, the data, and the schedule, so
+that ICaRus, aLoRA and conventional LoRA runs differ only where their kind requires.
+Overrides use dotted keys: ``train.lr=1e-4 adapter.rank=8``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import KvshareError
+from ..sharing import AdapterKind, sharing_rule
+
+DEFAULT_TARGETS = {
+    AdapterKind.LORA: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    # K/V must stay the base's; LoRA there would be dead weight (BRIEF.md, ICaRus).
+    AdapterKind.ICARUS: ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    AdapterKind.ALORA: ["q_proj", "k_proj", "v_proj"],
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AdapterSpec(_Strict):
+    kind: AdapterKind
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | None = None
+    invocation: str | None = None  # aLoRA only: the text that activates the adapter
+
+    @model_validator(mode="after")
+    def _kind_rules(self):
+        if self.target_modules is None:
+            self.target_modules = list(DEFAULT_TARGETS[self.kind])
+        forbidden = sorted(set(self.target_modules) & set(sharing_rule(self.kind).forbidden_target_modules))
+        if forbidden:
+            raise ValueError(
+                f"an {self.kind.value} adapter may not target {', '.join(forbidden)}: keys and values "
+                "always come from the frozen base, so LoRA there would be dead weight and would "
+                "break KV sharing"
+            )
+        if self.kind is AdapterKind.ALORA and not self.invocation:
+            raise ValueError("an alora adapter needs an invocation string")
+        if self.kind is not AdapterKind.ALORA and self.invocation:
+            raise ValueError(f"invocation is only for alora adapters, not {self.kind.value}")
+        return self
+
+
+class DataSource(_Strict):
+    """One of: a named loader (``name``), a local file (``path``) or a Hub dataset (``hub``)."""
+
+    name: str | None = None
+    path: str | None = None
+    hub: str | None = None
+    config: str | None = None
+    split: str = "train"
+    prompt_field: str | None = None
+    response_field: str | None = None
+    limit: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_origin(self):
+        origins = [o for o in (self.name, self.path, self.hub) if o]
+        if len(origins) != 1:
+            raise ValueError("give exactly one of name, path or hub")
+        if (self.path or self.hub) and not (self.prompt_field and self.response_field):
+            raise ValueError("path and hub sources need prompt_field and response_field")
+        if self.path and not Path(self.path).is_file():
+            raise ValueError(f"data file {self.path} does not exist")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path or f"{self.hub}:{self.split}"
+
+
+class DataSpec(_Strict):
+    sources: list[DataSource] = Field(min_length=1)
+    max_length: int = Field(512, ge=8)
+    system_prompt: str | None = None
+    shuffle_seed: int = 0
+
+
+class TrainSpec(_Strict):
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    seed: int = 0
+    mixed_precision: Literal["no", "bf16"] = "no"
+    log_every: int = Field(10, ge=1)
+    save_every: int = Field(100, ge=1)
+
+    @model_validator(mode="after")
+    def _length(self):
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of max_steps or epochs")
+        return self
+
+
+class Recipe(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    base_model: str
+    adapter: AdapterSpec
+    data: DataSpec
+    train: TrainSpec
+    output_dir: str
+    notes: str | None = None  # e.g. the measured time per run on the reference machine
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe; every problem is one clear KvshareError."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such recipe file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise KvshareError(f"{path}: malformed YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise KvshareError(f"{path}: a recipe is a mapping of keys to values")
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
+        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise KvshareError(f"{path}: {where}: {message}{more}") from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise KvshareError(f"override {item!r} is not of the form key=value")
+    value = yaml.safe_load(raw) if raw else None
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise KvshareError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value

@@ -1,0 +1,273 @@
+"""The training loop shared by the three adapter kinds.
+
+Written on accelerate (device placement, DDP, bf16 autocast) rather than transformers'
+Trainer because ICaRus needs a two-pass forward (frozen encoder, then adapted decoder) and
+resumption must be exact and pickle-free; the loop stays small enough to read in one go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import KvshareError
+from ..models import resolve_model_dir
+from ..sharing import AdapterKind
+from . import checkpoint as ckpt
+from .collate import collate, invocation_ids, tokenize_all
+from .data import Example, load_file, load_hub, load_named
+from .icarus import enable_icarus_attention, icarus_forward
+from .recipe import Recipe
+
+
+def load_examples(recipe: Recipe) -> list[Example]:
+    examples: list[Example] = []
+    for source in recipe.data.sources:
+        if source.name:
+            examples += load_named(source.name, source.limit)
+        elif source.path:
+            examples += load_file(source.path, source.prompt_field, source.response_field, source.limit)
+        else:
+            examples += load_hub(source.hub, source.split, source.prompt_field,
+                                 source.response_field, source.config, source.limit)
+    if not examples:
+        raise KvshareError("the recipe's data sources hold no training examples")
+    return examples
+
+
+def build_model(recipe: Recipe, base_dir: Path):
+    """Base + LoRA of the recipe's kind; returns (peft_model, tokenizer, invocation ids)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
+                                                use_safetensors=True, local_files_only=True)
+    spec = recipe.adapter
+    invocation = invocation_ids(tokenizer, spec.invocation) if spec.kind is AdapterKind.ALORA else None
+    config = LoraConfig(
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        # CAUSAL_LM for every kind: aLoRA offsets are only computed in PeftModelForCausalLM.
+        task_type="CAUSAL_LM",
+        alora_invocation_tokens=invocation,
+    )
+    model = get_peft_model(base, config)
+    if spec.kind is AdapterKind.ICARUS:
+        enable_icarus_attention(model)
+    return model, tokenizer, invocation
+
+
+def make_scheduler(optimizer, recipe: Recipe, total_steps: int):
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+
+    warmup = int(round(recipe.train.warmup_ratio * total_steps))
+    make = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
+    if recipe.train.schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    return make[recipe.train.schedule](optimizer, warmup, total_steps)
+
+
+def micro_batches(n_items: int, batch: int, world: int, rank: int, seed: int, epoch: int):
+    """This rank's micro-batches of one epoch: a seeded permutation, dealt round-robin."""
+    order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    per_step = batch * world
+    for start in range(0, n_items - per_step + 1, per_step):
+        yield order[start + rank * batch: start + (rank + 1) * batch]
+
+
+def lora_digest(model) -> str:
+    digest = hashlib.sha256()
+    for name, value in sorted(ckpt.lora_state(model).items()):
+        digest.update(name.encode())
+        digest.update(value.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
+          stop_after: int | None = None) -> dict:
+    """Run a recipe to the end (or to ``stop_after`` steps); return the run summary.
+
+    The summary is also written to ``output_dir/summary.json``; the adapter is exported with
+    its manifest to ``output_dir/adapter``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    # cpu=True on CPU-only machines lets torchrun-launched processes form a gloo DDP group.
+    accel = Accelerator(mixed_precision=recipe.train.mixed_precision, cpu=not torch.cuda.is_available())
+    main = accel.is_main_process
+    run_dir = Path(recipe.output_dir)
+    if not resume and (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+        raise KvshareError(f"{run_dir} already holds a run; pass --resume to continue it "
+                           "or choose another output_dir")
+    set_seed(recipe.train.seed)
+    base_dir = resolve_model_dir(recipe.base_model)
+    model, tokenizer, invocation = build_model(recipe, base_dir)
+    examples = load_examples(recipe)
+    items, stats = tokenize_all(examples, tokenizer, recipe.data.max_length,
+                                invocation=invocation, system_prompt=recipe.data.system_prompt)
+    if not items:
+        raise KvshareError(f"every example is longer than max_length={recipe.data.max_length}")
+    world, rank = accel.num_processes, accel.process_index
+    tp = recipe.train
+    steps_per_epoch = len(items) // (tp.batch_size * world * tp.grad_accum)
+    if steps_per_epoch == 0:
+        raise KvshareError("fewer examples than one optimizer step needs (batch_size x grad_accum x processes)")
+    total = tp.max_steps or max(1, math.ceil(tp.epochs * steps_per_epoch))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tp.lr, weight_decay=tp.weight_decay)
+    scheduler = make_scheduler(optimizer, recipe, total)
+    peft_model = model
+    model, optimizer = accel.prepare(model, optimizer)
+
+    state = {"step": 0, "epoch": 0, "micro": 0, "tokens": 0, "seconds": 0.0}
+    if resume:
+        found = ckpt.latest_checkpoint(run_dir)
+        if found is None:
+            raise KvshareError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        state = ckpt.load_checkpoint(found, model=peft_model, optimizer=optimizer,
+                                     scheduler=scheduler, rank=rank)
+    metrics_path = run_dir / "metrics.jsonl"
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics_path, state["step"])
+        (run_dir / "recipe.resolved.json").write_text(recipe.model_dump_json(indent=1))
+
+    def forward(batch):
+        if recipe.adapter.kind is AdapterKind.ICARUS:
+            return icarus_forward(model, batch["input_ids"], batch["attention_mask"],
+                                  batch["labels"], peft_model=peft_model)
+        return model(**batch)
+
+    bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
+               file=sys.stderr, dynamic_ncols=True)
+    window: list[float] = []
+    last_loss = float("nan")
+    started = time.perf_counter() - state["seconds"]
+    window_start, window_tokens = time.perf_counter(), 0
+    model.train()
+    limit = total if stop_after is None else min(total, stop_after)
+    batches, batches_epoch = [], None
+    while state["step"] < limit:
+        if batches_epoch != state["epoch"]:
+            batches = list(micro_batches(len(items), tp.batch_size, world, rank, tp.seed, state["epoch"]))
+            batches_epoch = state["epoch"]
+        if state["micro"] + tp.grad_accum > len(batches):
+            state["epoch"], state["micro"] = state["epoch"] + 1, 0
+            continue
+        step_loss = 0.0
+        for i in range(tp.grad_accum):
+            indices = batches[state["micro"] + i]
+            batch = {k: v.to(accel.device) for k, v in
+                     collate([items[j] for j in indices], tokenizer.pad_token_id).items()}
+            sync = i == tp.grad_accum - 1
+            context = accel.no_sync(model) if not sync else _null()
+            with context, accel.autocast():
+                loss = forward(batch).loss / tp.grad_accum
+                accel.backward(loss)
+            step_loss += loss.detach()
+            window_tokens += int(batch["attention_mask"].sum()) * world
+        if tp.max_grad_norm:
+            accel.clip_grad_norm_(params, tp.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["micro"] += tp.grad_accum
+        state["step"] += 1
+        last_loss = accel.reduce(step_loss.detach().clone(), reduction="mean").item()
+        window.append(last_loss)
+        if not math.isfinite(last_loss):
+            raise KvshareError(f"loss became {last_loss} at step {state['step']}; "
+                               "lower train.lr or use mixed_precision: no")
+        if state["step"] % tp.log_every == 0 or state["step"] == limit:
+            now = time.perf_counter()
+            record = {"step": state["step"], "loss": sum(window) / len(window),
+                      "lr": scheduler.get_last_lr()[0], "epoch": state["epoch"],
+                      "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                      "seconds": now - started}
+            if main:
+                with open(metrics_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                            tok_s=f"{record['tokens_per_s']:.0f}")
+            window, window_start, window_tokens = [], now, 0
+        bar.update(1)
+        if state["step"] % tp.save_every == 0 or state["step"] == limit:
+            state["seconds"] = time.perf_counter() - started
+            _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank)
+    bar.close()
+
+    digests = accel.gather_for_metrics([lora_digest(peft_model)], use_gather_object=True)
+    summary = {
+        "recipe": recipe_path, "name": recipe.name, "kind": recipe.adapter.kind.value,
+        "steps": state["step"], "total_steps": total, "final_loss": last_loss,
+        "train_seconds": time.perf_counter() - started,
+        "seconds_per_step": (time.perf_counter() - started) / max(state["step"], 1),
+        "processes": world, "rank_weight_digests": digests,
+        "ranks_in_sync": len(set(digests)) == 1,
+        "examples": len(examples), "data": asdict(stats) | {"dropped_ids": stats.dropped_ids[:20]},
+        "finished": state["step"] >= total,
+    }
+    if main:
+        if not summary["ranks_in_sync"]:
+            raise KvshareError(f"DDP ranks ended with different adapter weights: {digests}")
+        if summary["finished"]:
+            summary["adapter"] = str(_export(recipe, recipe_path, peft_model, run_dir, base_dir, summary))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    accel.wait_for_everyone()
+    accel.end_training()
+    return summary
+
+
+def _save(run_dir: Path, accel, peft_model, optimizer, scheduler, state: dict, rank: int) -> None:
+    rng_dir = run_dir / ".rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.save_rng(rng_dir / f"rank-{rank}.safetensors")
+    accel.wait_for_everyone()
+    if accel.is_main_process:
+        files = {r: rng_dir / f"rank-{r}.safetensors" for r in range(accel.num_processes)}
+        ckpt.save_checkpoint(run_dir / "checkpoints" / f"step-{state['step']}", model=peft_model,
+                             optimizer=optimizer, scheduler=scheduler, trainer_state=dict(state),
+                             rng_files=files)
+    accel.wait_for_everyone()
+
+
+def _export(recipe: Recipe, recipe_path, peft_model, run_dir: Path, base_dir: Path, summary) -> Path:
+    from ..export import export_adapter
+
+    final = run_dir / "final"
+    peft_model.save_pretrained(str(final))
+    provenance = {"recipe": recipe_path, "data": [s.label for s in recipe.data.sources],
+                  "steps": summary["steps"], "seed": recipe.train.seed,
+                  "final_loss": summary["final_loss"], "train_seconds": round(summary["train_seconds"], 1)}
+    return export_adapter(final, kind=recipe.adapter.kind, base=recipe.base_model,
+                          out=run_dir / "adapter", name=recipe.name,
+                          invocation=recipe.adapter.invocation, provenance=provenance, force=True)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, forget metrics logged after the checkpoint (they will be logged again)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
