@@ -30,7 +30,7 @@ def test_core_is_kvshare_and_schema_ships():
 
 HELP_COMMANDS = [
     [], ["models"], ["models", "pull"], ["models", "list"], ["models", "path"],
-    ["models", "fingerprint"], ["export"], ["inspect"], ["demo"],
+    ["models", "fingerprint"], ["export"], ["inspect"], ["demo"], ["train"], ["plot-loss"],
 ]
 
 
@@ -47,6 +47,12 @@ def test_console_script_and_module_entry_points():
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("kvshare ")
+
+
+def test_trainer_module_entry_point_has_help():
+    proc = subprocess.run([sys.executable, "-m", "kvshare.train", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "RECIPE.yaml" in proc.stdout
 
 
 def test_missing_subcommand_is_a_usage_error(cli):

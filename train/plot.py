@@ -19,13 +19,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise KvshareError("plotting needs matplotlib: pip install 'kvshare[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     if labels and len(labels) != len(runs):
         raise KvshareError(f"{len(labels)} labels for {len(runs)} runs")
     fig, ax = plt.subplots(figsize=(7, 4.5))

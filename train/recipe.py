@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import KvshareError
 from ..sharing import AdapterKind, sharing_rule
@@ -103,6 +103,11 @@ class TrainSpec(_Strict):
     mixed_precision: Literal["no", "bf16"] = "no"
     log_every: int = Field(10, ge=1)
     save_every: int = Field(100, ge=1)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
 
     @model_validator(mode="after")
     def _length(self):

@@ -1,0 +1,74 @@
+"""Recipes: every shipped recipe validates; mistakes are one clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvshare.errors import KvshareError
+from kvshare.train.recipe import DEFAULT_TARGETS, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
+
+BASE = """\
+name: r
+base_model: smollm2-135m-instruct
+adapter: {kind: icarus, rank: 8, alpha: 16}
+data:
+  sources: [{name: gsm8k}]
+train: {max_steps: 10}
+output_dir: runs/r
+"""
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_recipes_cover_every_task_and_kind():
+    names = {p.stem for p in SHIPPED}
+    assert {f"{task}-{kind}" for task in ("math", "code", "qa")
+            for kind in ("icarus", "alora", "lora")} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.name == path.stem
+    assert recipe.notes and "measured" in recipe.notes
+
+
+def test_defaults_and_overrides(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["train.lr=1e-4", "adapter.rank=4", "train.seed=3"])
+    assert recipe.train.lr == 1e-4 and recipe.adapter.rank == 4 and recipe.train.seed == 3
+    assert recipe.adapter.target_modules == DEFAULT_TARGETS[recipe.adapter.kind]
+    assert recipe.train.schedule == "cosine"
+
+
+@pytest.mark.parametrize("text,overrides,message", [
+    (BASE + "extra: 1\n", [], "extra: unknown key"),
+    (BASE, ["train.lr=fast"], "train.lr"),
+    (BASE, ["adapter.kind=prefix"], "adapter.kind"),
+    (BASE, ["adapter.target_modules=[q_proj, k_proj]"], "may not target k_proj"),
+    (BASE, ["adapter.kind=alora"], "invocation"),
+    (BASE, ["train.epochs=1"], "exactly one of max_steps or epochs"),
+    (BASE.replace("{name: gsm8k}", "{path: nowhere.jsonl, prompt_field: q, response_field: a}"), [],
+     "nowhere.jsonl does not exist"),
+    (BASE.replace("{name: gsm8k}", "{path: x.jsonl}"), [], "prompt_field"),
+    (BASE, ["train.lr"], "key=value"),
+    ("- just\n- a list\n", [], "mapping"),
+    ("name: [unclosed\n", [], "malformed YAML"),
+])
+def test_bad_recipes(tmp_path, text, overrides, message):
+    with pytest.raises(KvshareError, match=message):
+        load_recipe(write(tmp_path, text), overrides)
+
+
+def test_missing_recipe_file_via_cli(cli, tmp_path):
+    from conftest import assert_one_line_error
+
+    assert_one_line_error(cli("train", tmp_path / "none.yaml"), "no such recipe file")

@@ -1,0 +1,138 @@
+"""End-to-end training on tiny models: every kind, exact resume after a kill, DDP, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvshare import manifest
+from kvshare.train.recipe import load_recipe
+from kvshare.train.trainer import train
+
+from conftest import assert_one_line_error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory) -> Path:
+    rows = [{"q": f"What is {a} plus {b}?", "a": f"{a} plus {b} is {a + b}."}
+            for a in range(10) for b in range(8)]
+    path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def toy_recipe(tmp_path: Path, base: Path, data: Path, kind: str, **train_over) -> Path:
+    train_cfg = {"batch_size": 4, "grad_accum": 2, "lr": 5e-3, "max_steps": 12, "log_every": 2,
+                 "save_every": 5, "seed": 0}
+    train_cfg.update(train_over)
+    recipe = {
+        "name": f"toy-{kind}", "base_model": str(base),
+        "adapter": {"kind": kind, "rank": 4, "alpha": 8, "dropout": 0.1,
+                    **({"invocation": "<|invoke|>"} if kind == "alora" else {})},
+        "data": {"sources": [{"path": str(data), "prompt_field": "q", "response_field": "a"}],
+                 "max_length": 64},
+        "train": train_cfg,
+        "output_dir": str(tmp_path / f"run-{kind}"),
+    }
+    path = tmp_path / f"toy-{kind}.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return path
+
+
+@pytest.mark.parametrize("kind", ["icarus", "alora", "lora"])
+def test_each_kind_trains_logs_and_exports(tmp_path, tiny_models, toy_data, kind, cli):
+    base = tiny_models("llama")
+    path = toy_recipe(tmp_path, base, toy_data, kind)
+    result = cli("train", path)
+    assert result.code == 0, result.err
+    run = tmp_path / f"run-{kind}"
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 4, 6, 8, 10, 12]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    assert all(m["tokens_per_s"] > 0 and m["lr"] >= 0 for m in metrics)
+    data = manifest.read(run / "adapter")
+    assert data["kind"] == kind
+    assert data["provenance"]["steps"] == 12 and data["provenance"]["seed"] == 0
+    assert data["provenance"]["final_loss"] == pytest.approx(summary["final_loss"])
+    assert data["provenance"]["recipe"] == str(path)
+    assert cli("inspect", run / "adapter", "--base", base).code == 0
+    if kind == "icarus":
+        assert set(data["lora"]["target_modules"]) == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_a_second_run_into_the_same_folder_needs_resume(tmp_path, tiny_models, toy_data, cli):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=5)
+    assert cli("train", path).code == 0
+    assert_one_line_error(cli("train", path), "--resume")
+
+
+def _final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_models, toy_data):
+    """Kill -9 a run mid-way, resume it, compare with a run never interrupted."""
+    base = tiny_models("llama")
+    over = {"max_steps": 150, "save_every": 10, "log_every": 10}
+    (tmp_path / "a").mkdir()
+    whole = toy_recipe(tmp_path / "a", base, toy_data, "icarus", **over)
+    train(load_recipe(whole), recipe_path=str(whole))
+
+    (tmp_path / "b").mkdir()
+    broken = toy_recipe(tmp_path / "b", base, toy_data, "icarus", **over)
+    run = tmp_path / "b" / "run-icarus"
+    cmd = [sys.executable, "-m", "kvshare.train", str(broken)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step-30").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "summary.json").exists()  # really interrupted
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = _final_weights(tmp_path / "a" / "run-icarus"), _final_weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 150  # no duplicated log lines
+
+
+def test_two_process_ddp_on_cpu_keeps_ranks_identical(tmp_path, tiny_models, toy_data):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "icarus", max_steps=6, batch_size=2)
+    config = ROOT / "recipes" / "accelerate" / "cpu-ddp.yaml"
+    accelerate = Path(sys.executable).with_name("accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([str(accelerate), "launch", "--config_file", str(config),
+                           "--main_process_port", "29533", "-m", "kvshare.train", str(path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run-icarus" / "summary.json").read_text())
+    assert summary["processes"] == 2
+    assert len(summary["rank_weight_digests"]) == 2 and summary["ranks_in_sync"] is True
+    assert manifest.read(tmp_path / "run-icarus" / "adapter")["kind"] == "icarus"
+
+
+def test_plot_overlays_runs(tmp_path, cli):
+    for name, losses in (("icarus", [3.0, 2.0, 1.5]), ("lora", [3.0, 1.8, 1.2])):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": 5 * (i + 1), "loss": v}) + "\n" for i, v in enumerate(losses)))
+    out = tmp_path / "loss.png"
+    result = cli("plot-loss", tmp_path / "icarus", tmp_path / "lora", "--out", out)
+    assert result.code == 0, result.err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_one_line_error(cli("plot-loss", tmp_path / "nothing", "--out", out), "metrics.jsonl")
