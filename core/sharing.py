@@ -75,3 +75,20 @@ def parse_kind(value: str) -> AdapterKind:
 
 def sharing_rule(kind: AdapterKind | str) -> SharingRule:
     return SHARING_RULES[parse_kind(kind) if isinstance(kind, str) else kind]
+
+
+def kv_owner(kind: AdapterKind | None, adapter: str | None, block_end: int,
+             invocation_start: int | None) -> str | None:
+    """Whose KV a full cache block holds, for prefix-cache keys: None = the base's (shared).
+
+    ``block_end`` is the position after the block's last token; ``invocation_start`` is where
+    an aLoRA's last invocation begins in the prompt (None: not found, so the request behaves
+    as the base). This is the one place the engine turns a kind's rule into cache keys.
+    """
+    if kind is None or kind is AdapterKind.ICARUS:
+        return None  # base KV: the base's own requests, or ICaRus (K/V always from the base)
+    if kind is AdapterKind.LORA:
+        return adapter
+    if invocation_start is None or block_end <= invocation_start:
+        return None  # aLoRA before its invocation computes exactly the base's KV
+    return adapter

@@ -1,0 +1,103 @@
+"""Resident adapters: loaded from exported folders, checked against the base, in slots.
+
+Each adapter occupies a slot; a batch row names its slot and the gathered-LoRA kernel
+applies that slot's A/B. Loading verifies the manifest (schema, files, kind rules) and that
+its base fingerprint is the engine's base: an adapter made for another base is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..errors import KvshareError
+from ..export import verify_adapter_dir
+from ..safetensors_io import load_tensors, read_json
+from ..sharing import AdapterKind, parse_kind
+
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoadedAdapter:
+    name: str
+    kind: AdapterKind
+    path: Path
+    manifest: dict
+    invocation: list[int] | None
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+
+def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | None:
+    """PEFT's rule: the start of the last exact occurrence of the invocation tokens."""
+    n = len(invocation)
+    for start in range(len(tokens) - n, -1, -1):
+        if tokens[start:start + n] == invocation:
+            return start
+    return None
+
+
+class AdapterSet:
+    def __init__(self, base_dir: Path, dtype: torch.dtype):
+        self.base_dir = base_dir
+        self.dtype = dtype
+        self.slots: list[LoadedAdapter | None] = []
+        self.by_name: dict[str, int] = {}
+        self._lookup: dict[tuple[int, str], list] = {}
+
+    def load(self, path: str | Path, name: str | None = None) -> str:
+        path = Path(path)
+        manifest = verify_adapter_dir(path, base=self.base_dir)
+        name = name or manifest["name"]
+        if name in self.by_name:
+            raise KvshareError(f"an adapter named {name!r} is already loaded")
+        config = read_json(path / ADAPTER_CONFIG)
+        alpha, use_rslora = float(config.get("lora_alpha", config["r"])), bool(config.get("use_rslora"))
+        parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in load_tensors(path / ADAPTER_WEIGHTS).items():
+            match = _KEY.match(key)
+            if not match:
+                raise KvshareError(f"{path}: tensor {key!r} is not a decoder-layer LoRA weight")
+            parts.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.to(self.dtype)
+        weights = {}
+        for module, ab in parts.items():
+            rank = ab["A"].shape[0]
+            scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+            weights[module] = (ab["A"].contiguous(), ab["B"].contiguous(), scale)
+        kind = parse_kind(manifest["kind"])
+        invocation = manifest["alora"]["invocation_token_ids"] if kind is AdapterKind.ALORA else None
+        adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights)
+        slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
+        if slot == len(self.slots):
+            self.slots.append(adapter)
+        else:
+            self.slots[slot] = adapter
+        self.by_name[name] = slot
+        self._lookup.clear()
+        return name
+
+    def unload(self, name: str) -> None:
+        slot = self.get_slot(name)
+        self.slots[slot] = None
+        del self.by_name[name]
+        self._lookup.clear()
+
+    def get_slot(self, name: str) -> int:
+        if name not in self.by_name:
+            raise KvshareError(f"unknown adapter {name!r} (loaded: {', '.join(self.by_name) or 'none'})")
+        return self.by_name[name]
+
+    def get(self, name: str) -> LoadedAdapter:
+        return self.slots[self.get_slot(name)]
+
+    def lookup(self, layer: int, projection: str) -> list:
+        """Per slot: (A, B, scale) for this projection, or None; cached until slots change."""
+        key = (layer, projection)
+        if key not in self._lookup:
+            self._lookup[key] = [s.weights.get(key) if s is not None else None for s in self.slots]
+        return self._lookup[key]

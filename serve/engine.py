@@ -1,0 +1,251 @@
+"""The step-wise engine (add_request / step / abort) and the batch API ``LLM.generate``.
+
+One paged KV pool serves the base and every adapter. Each step the scheduler picks work,
+the engine lays it out as rows - one per token, plus for an ICaRus request that samples an
+adapter row beside the base row, reading the same cache - runs the model once, samples, and
+publishes newly completed blocks to the prefix cache under the owner the adapter kind
+allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import KvshareError
+from ..fingerprint import fingerprints
+from ..models import load_tokenizer, resolve_model_dir
+from ..sharing import AdapterKind
+from .adapters import AdapterSet, find_invocation_start
+from .block_manager import BlockManager
+from .model import Model, Rows
+from .sampling import SamplingParams, sample, top_logprobs
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence, Status
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    adapter: str | None
+    logprobs: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, adapters: list[str | Path] = (), *,
+                 kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
+                 block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, dtype: str = "float32"):
+        if dtype not in DTYPES:
+            raise KvshareError(f"dtype must be one of {', '.join(DTYPES)}")
+        self.model_dir = resolve_model_dir(model)
+        self.model_name = str(model)
+        self.dtype = DTYPES[dtype]
+        self.model = Model(self.model_dir, self.dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.fingerprint = fingerprints(self.model_dir).base
+        self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 4096))
+        m = self.model
+        per_token = 2 * m.n_layers * m.n_kv * m.head_dim * torch.finfo(self.dtype).bits // 8
+        if kv_cache_bytes is not None:
+            kv_cache_tokens = kv_cache_bytes // per_token
+        kv_cache_tokens = kv_cache_tokens or 16384
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        self.kv_cache = torch.zeros(2, m.n_layers, num_blocks, block_size, m.n_kv, m.head_dim, dtype=self.dtype)
+        self.kv_bytes_per_token = per_token
+        self.blocks = BlockManager(num_blocks, block_size, self.fingerprint)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
+        self.adapters = AdapterSet(self.model_dir, self.dtype)
+        for path in adapters:
+            self.adapters.load(path)
+        self.sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
+                         "prompt_tokens": 0, "steps": 0}
+
+    # adapters ----------------------------------------------------------------------------
+    def load_adapter(self, path: str | Path, name: str | None = None) -> str:
+        return self.adapters.load(path, name)
+
+    def unload_adapter(self, name: str) -> None:
+        busy = [s.request_id for s in self.sequences.values() if s.adapter == name]
+        if busy:
+            raise KvshareError(f"adapter {name!r} is in use by {len(busy)} request(s)")
+        self.adapters.unload(name)
+
+    # requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise KvshareError("the prompt is empty")
+        if len(tokens) + params.max_tokens > self.max_model_len:
+            raise KvshareError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                               f"max_model_len {self.max_model_len}")
+        needed = self.blocks.blocks_needed(len(tokens) + params.max_tokens)
+        if needed > len(self.blocks.blocks):
+            raise KvshareError(f"request needs {needed} KV blocks; the pool has {len(self.blocks.blocks)}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.sequences:
+            raise KvshareError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, tokens, params)
+        if adapter is not None:
+            loaded = self.adapters.get(adapter)
+            seq.adapter, seq.kind, seq.adapter_slot = adapter, loaded.kind, self.adapters.get_slot(adapter)
+            if loaded.kind is AdapterKind.ALORA:
+                seq.invocation_start = find_invocation_start(tokens, loaded.invocation)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(tokens)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.counters["aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return outputs of requests that produced a token."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        rows = self._layout(plan)
+        logits = self.model.forward(rows, self.kv_cache, self.adapters.lookup)
+        self.counters["steps"] += 1
+        outputs, logit_index, now = [], 0, time.perf_counter()
+        for item in plan:
+            seq = item.seq
+            seq.num_computed += item.n_compute
+            self.blocks.register_computed(seq)
+            if not item.wants_logits:
+                continue
+            row_logits = logits[logit_index]
+            logit_index += 1
+            token = sample(row_logits, seq.params, seq.generator)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(top_logprobs(row_logits, token, seq.params.logprobs))
+            seq.output.append(token)
+            seq.token_times.append(now)
+            seq.first_token = seq.first_token or now
+            self.counters["generated_tokens"] += 1
+            outputs.append(self._check_finished(seq))
+        return outputs
+
+    def _layout(self, plan: list[Scheduled]) -> Rows:
+        tokens, positions, adapters, writes, row_seq, logit_rows = [], [], [], [], [], []
+        bs = self.blocks.block_size
+        for index, item in enumerate(plan):
+            seq = item.seq
+            seq_tokens = seq.tokens
+            active_from = seq.adapter_active_from()
+            for pos in range(seq.num_computed, seq.num_computed + item.n_compute):
+                tokens.append(seq_tokens[pos])
+                positions.append(pos)
+                uses_adapter = not seq.is_icarus and active_from is not None and pos >= active_from
+                adapters.append(seq.adapter_slot if uses_adapter else -1)
+                writes.append(seq.block_table[pos // bs] * bs + pos % bs)
+                row_seq.append(index)
+            if item.wants_logits:
+                last = len(seq) - 1
+                if seq.is_icarus or item.n_compute == 0:
+                    # a read-only row for the last token: ICaRus' adapter row, or a token whose
+                    # KV came from the prefix cache (its KV must not be written twice)
+                    tokens.append(seq_tokens[last])
+                    positions.append(last)
+                    uses = seq.is_icarus or (active_from is not None and last >= active_from)
+                    adapters.append(seq.adapter_slot if uses else -1)
+                    writes.append(-1)
+                    row_seq.append(index)
+                logit_rows.append(len(tokens) - 1)
+        return Rows(torch.tensor(tokens), torch.tensor(positions), torch.tensor(adapters),
+                    torch.tensor(writes), row_seq, [p.seq.block_table for p in plan],
+                    torch.tensor(logit_rows, dtype=torch.long))
+
+    def _check_finished(self, seq: Sequence) -> RequestOutput:
+        params, token = seq.params, seq.output[-1]
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        reason = None
+        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason = "stop"
+        elif any(s in text for s in params.stop):
+            cut = min(text.find(s) for s in params.stop if s in text)
+            text, reason = text[:cut], "stop"
+        elif len(seq.output) >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+            self.scheduler.remove(seq)
+            self.sequences.pop(seq.request_id, None)
+            self.counters["finished"] += 1
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text, reason is not None,
+                             reason, seq.adapter, list(seq.logprobs), self._request_metrics(seq))
+
+    def _request_metrics(self, seq: Sequence) -> dict:
+        times = seq.token_times
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        return {
+            "queue_time": (seq.first_scheduled or seq.arrival) - seq.arrival,
+            "time_to_first_token": (seq.first_token - seq.arrival) if seq.first_token else None,
+            "inter_token_latency": sum(gaps) / len(gaps) if gaps else None,
+            "e2e_time": (times[-1] - seq.arrival) if times else None,
+            "prompt_tokens": len(seq.prompt),
+            "prompt_tokens_cached": seq.num_cached_prompt,
+            "prompt_tokens_computed": len(seq.prompt) - seq.num_cached_prompt,
+            "preemptions": seq.preemptions,
+        }
+
+    def stats(self) -> dict:
+        blocks = self.blocks.stats
+        queried = blocks["queried_tokens"]
+        return {
+            **self.counters, **self.blocks.usage(),
+            "prefix_hit_rate": blocks["hit_tokens"] / queried if queried else 0.0,
+            "prefix_hit_tokens": blocks["hit_tokens"], "evictions": blocks["evictions"],
+            "preemptions": self.scheduler.preemptions,
+            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        }
+
+
+class LLM:
+    """Batch generation in the shape vLLM users know: ``LLM(model=...).generate(prompts, params)``."""
+
+    def __init__(self, model: str | Path, adapters: list[str | Path] = (), **engine_args):
+        self.engine = LLMEngine(model, adapters, **engine_args)
+
+    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
+                 adapter: str | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.add_request(p, params, adapter=adapter) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

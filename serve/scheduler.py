@@ -1,0 +1,112 @@
+"""Continuous batching: decode and chunked prefill in one step, preemption by recompute.
+
+Every step walks the running sequences oldest first and gives each the tokens it still
+needs (one for a decoding sequence, a chunk of its prompt for a prefilling one) until the
+step's token budget is spent, then admits waiting sequences in arrival order. When the KV
+pool cannot hold a sequence's next token, the newest running sequence is preempted: its
+blocks are released and it waits at the front of the queue to be recomputed, so no one
+starves and outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager, OutOfBlocks
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    n_compute: int  # tokens whose KV this step computes
+    wants_logits: bool
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_seqs: int):
+        self.blocks = blocks
+        self.max_batched_tokens = max_batched_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _rows(self, seq: Sequence, n_compute: int, wants_logits: bool) -> int:
+        """Rows a step of this sequence costs: ICaRus adds an adapter row when it samples."""
+        extra = 1 if wants_logits and (seq.is_icarus or n_compute == 0) else 0
+        return n_compute + extra
+
+    def _preempt_newest(self, keep: Sequence) -> bool:
+        """Release the newest running sequence other than ``keep``; False if there is none."""
+        candidates = [s for s in self.running if s is not keep]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda s: s.arrival)
+        self.running.remove(victim)
+        self.blocks.free(victim)
+        victim.status = Status.WAITING
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        return True
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_batched_tokens
+        plan: list[Scheduled] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq not in self.running:
+                continue  # preempted while making room for an older sequence
+            if budget <= 0:
+                break
+            todo = len(seq) - seq.num_computed
+            n = min(todo, budget - (1 if seq.is_icarus else 0)) if todo else 0
+            if todo and n <= 0:
+                break
+            while True:
+                try:
+                    self.blocks.ensure_capacity(seq, seq.num_computed + n)
+                    break
+                except OutOfBlocks:
+                    if not self._preempt_newest(keep=seq):
+                        raise
+                    plan = [p for p in plan if p.seq in self.running]
+            wants = seq.num_computed + n == len(seq)
+            plan.append(Scheduled(seq, n, wants))
+            budget -= self._rows(seq, n, wants)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            try:
+                self.blocks.allocate(seq)
+            except OutOfBlocks:
+                break  # admit strictly in order: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = Status.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.perf_counter()
+            seq.num_cached_prompt = max(seq.num_cached_prompt, min(seq.num_computed, len(seq.prompt)))
+            todo = len(seq) - seq.num_computed
+            n = min(todo, max(budget - (1 if seq.is_icarus else 0), 0))
+            if todo and n == 0:
+                break
+            wants = seq.num_computed + n == len(seq)
+            plan.append(Scheduled(seq, n, wants))
+            budget -= self._rows(seq, n, wants)
+        return plan
