@@ -1,0 +1,170 @@
+"""Serving engine exactness: greedy outputs equal transformers, PEFT and the ICaRus reference;
+warm equals cold, mixed equals alone, preemption changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvshare.export import export_adapter
+from kvshare.serve import LLM, SamplingParams
+from kvshare.testing import TINY_FAMILIES, make_peft_adapter
+from kvshare.train.icarus_reference import icarus_reference_logits
+
+NEW = 64
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+INVOCATION = "<|invoke|>check<|end_invoke|>"
+
+
+def prompts_for(tokenizer, n: int = 2) -> list[list[int]]:
+    texts = ["What is 12 plus 30? Answer: 42. The answer is", "def add(a, b):\n    return a + b\nfor i in range(10):",
+             "Paris is the capital of France. Rome is the capital of"]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts[:n]]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base):
+    return AutoTokenizer.from_pretrained(base)
+
+
+@pytest.fixture(scope="module")
+def invocation(tokenizer) -> list[int]:
+    return tokenizer.encode(INVOCATION, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def adapters(base, invocation, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-adapters")
+    specs = {
+        "lora-a": ("lora", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], None, 1),
+        "lora-b": ("lora", ["q_proj", "v_proj"], None, 2),
+        "alora-a": ("alora", ["q_proj", "k_proj", "v_proj"], invocation, 3),
+        "icarus-a": ("icarus", ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], None, 4),
+        "icarus-b": ("icarus", ["q_proj", "o_proj", "down_proj"], None, 5),
+    }
+    out = {}
+    for name, (kind, targets, inv, seed) in specs.items():
+        ckpt = make_peft_adapter(base, root / f"ckpt-{name}", target_modules=targets,
+                                 invocation_tokens=inv, seed=seed)
+        out[name] = export_adapter(ckpt, kind=kind, base=base, out=root / name,
+                                   invocation=INVOCATION if inv else None)
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int = NEW) -> list[int]:
+    """transformers' / PEFT's greedy generate for exactly n tokens (EOS neither stops nor is
+    suppressed, as with the engine's ignore_eos)."""
+    config = model.generation_config
+    config.eos_token_id, config.pad_token_id = None, 0
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def icarus_greedy(peft_model, prompt: list[int], n: int = NEW) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = icarus_reference_logits(peft_model, torch.tensor([tokens]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def peft_model(base: Path, adapter: Path):
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_base_greedy_equals_transformers(tiny_models, family, tied):
+    folder = tiny_models(family, tied=tied)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = prompts_for(tok, 3)
+    llm = LLM(folder, kv_cache_tokens=2048, block_size=8)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_greedy(hf, prompt)
+
+
+def test_bfloat16_engine_runs_and_mostly_agrees(tiny_models, tokenizer):
+    folder = tiny_models("llama")
+    prompt = prompts_for(tokenizer, 1)[0]
+    out = LLM(folder, dtype="bfloat16", kv_cache_tokens=512).generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert out.token_ids[:4] == hf_greedy(hf, prompt, 8)[:4]
+
+
+@pytest.mark.parametrize("name", ["lora-a", "lora-b", "alora-a"])
+def test_lora_and_alora_greedy_equal_peft(base, adapters, tokenizer, invocation, name):
+    prompts = prompts_for(tokenizer, 2)
+    if name.startswith("alora"):
+        prompts = [p + invocation for p in prompts] + [prompts[0] + invocation + prompts[1]]
+        prompts.append(prompts_for(tokenizer, 3)[2])  # no invocation: behaves as the base
+    llm = LLM(base, [adapters[name]], kv_cache_tokens=2048, block_size=8)
+    reference = peft_model(base, adapters[name])
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, adapter=name)):
+        assert out.token_ids == hf_greedy(reference, prompt)
+
+
+@pytest.mark.parametrize("name", ["icarus-a", "icarus-b"])
+def test_icarus_greedy_equals_the_training_reference(base, adapters, tokenizer, name):
+    prompts = prompts_for(tokenizer, 2)
+    llm = LLM(base, [adapters[name]], kv_cache_tokens=2048, block_size=8)
+    reference = peft_model(base, adapters[name])
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, adapter=name)):
+        assert out.token_ids == icarus_greedy(reference, prompt)
+
+
+def test_warm_cache_equals_cold_for_every_kind(base, adapters, tokenizer, invocation):
+    llm = LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4)
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    for adapter in [None, "lora-a", "alora-a", "icarus-a"]:
+        p = prompt + invocation if adapter == "alora-a" else prompt
+        cold = llm.generate([p], GREEDY, adapter=adapter)[0]
+        warm = llm.generate([p], GREEDY, adapter=adapter)[0]
+        assert warm.metrics["prompt_tokens_cached"] >= len(p) // 4 * 4 - 4
+        assert warm.token_ids == cold.token_ids, adapter
+
+
+def test_mixed_batch_equals_each_request_alone(base, adapters, tokenizer, invocation):
+    prompts = prompts_for(tokenizer, 3)
+    requests = [(prompts[0], None), (prompts[1], "lora-a"), (prompts[2] + invocation, "alora-a"),
+                (prompts[0], "icarus-a"), (prompts[1], "icarus-b"), (prompts[2], "lora-b")]
+    alone = []
+    for prompt, adapter in requests:
+        llm = LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8)
+        alone.append(llm.generate([prompt], GREEDY, adapter=adapter)[0].token_ids)
+    llm = LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8, max_num_batched_tokens=40)
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY, adapter=a) for p, a in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[i] for i in ids] == alone
+
+
+def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
+    prompts = [p * 2 for p in prompts_for(tokenizer, 3)]
+    requests = [(prompts[0], "icarus-a"), (prompts[1], "lora-a"), (prompts[2], None)]
+    roomy = LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4)
+    expected = [roomy.generate([p], GREEDY, adapter=a)[0].token_ids for p, a in requests]
+    tight = LLM(base, list(adapters.values()), kv_cache_tokens=4 * 60, block_size=4)
+    engine = tight.engine
+    ids = [engine.add_request(p, GREEDY, adapter=a) for p, a in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.stats()["preemptions"] > 0
+    assert [done[i].token_ids for i in ids] == expected
