@@ -1,0 +1,121 @@
+"""Isolation and sharing: each request reads only KV its adapter kind allows, and ICaRus
+agents really share everything (hit counters prove it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvshare.serve import LLM, SamplingParams
+from kvshare.serve.adapters import find_invocation_start
+
+from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def llm(base, adapters):
+    return LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=BS)
+
+
+def cached(llm, prompt, adapter=None, params=GREEDY):
+    out = llm.generate([prompt], params, adapter=adapter)[0]
+    return out.metrics["prompt_tokens_cached"], out
+
+
+def test_lora_never_reuses_base_or_other_adapters_blocks(llm, tokenizer):
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    cached(llm, prompt)
+    assert cached(llm, prompt, "lora-a")[0] == 0  # base blocks are not its KV
+    assert cached(llm, prompt, "lora-b")[0] == 0  # nor are lora-a's
+    assert cached(llm, prompt, "icarus-a")[0] > 0  # (the base's blocks are an ICaRus agent's)
+    assert cached(llm, prompt, "lora-a")[0] == len(prompt) // BS * BS  # its own, yes
+
+
+def test_alora_shares_exactly_the_blocks_before_its_invocation(llm, tokenizer, invocation):
+    head, tail = prompts_for(tokenizer, 2)
+    prompt = head + invocation + tail
+    start = find_invocation_start(prompt, invocation)
+    shared = start // BS * BS
+    assert cached(llm, prompt)[0] == 0
+    assert cached(llm, prompt, "alora-a")[0] == shared  # base KV before the invocation
+    llm2 = LLM(llm.engine.model_dir, [a.path for a in llm.engine.adapters.slots], kv_cache_tokens=4096, block_size=BS)
+    assert cached(llm2, prompt, "alora-a")[0] == 0
+    assert cached(llm2, prompt)[0] == shared  # the base never reads post-invocation blocks
+    assert cached(llm2, prompt, "alora-a")[0] == len(prompt) // BS * BS
+
+
+def test_icarus_agents_share_prompt_and_generated_blocks(llm, tokenizer):
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    hits_before = llm.engine.stats()["prefix_hit_tokens"]
+    _, first = cached(llm, prompt, "icarus-a", SamplingParams(max_tokens=13, ignore_eos=True))
+    next_turn = prompt + first.token_ids
+    hit, _ = cached(llm, next_turn, "icarus-b")
+    # every full block of the conversation so far, generated tokens included (the last sampled
+    # token was never fed back, so its KV does not exist yet)
+    assert hit == (len(next_turn) - 1) // BS * BS
+    assert llm.engine.stats()["prefix_hit_tokens"] - hits_before == hit
+    assert cached(llm, next_turn)[0] == len(next_turn) // BS * BS  # the base reuses them too
+
+
+def test_adapter_for_another_base_is_refused(tiny_models, adapters):
+    from kvshare.errors import KvshareError
+
+    other = tiny_models("llama", seed=1)
+    with pytest.raises(KvshareError, match="was made for base"):
+        LLM(other, [adapters["icarus-a"]], kv_cache_tokens=256)
+
+
+def expected_owner(kind, adapter, block_end, invocation_start):
+    """The sharing rule restated independently of kvshare.sharing, for the property test."""
+    if kind in (None, "icarus"):
+        return None
+    if kind == "lora":
+        return adapter
+    return adapter if invocation_start is not None and block_end > invocation_start else None
+
+
+def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer, invocation):
+    rng = random.Random(0)
+    llm = LLM(base, list(adapters.values()), kv_cache_tokens=BS * 90, block_size=BS,
+              max_num_batched_tokens=48)
+    engine, blocks = llm.engine, llm.engine.blocks
+    kinds = {None: None, "lora-a": "lora", "lora-b": "lora", "alora-a": "alora",
+             "icarus-a": "icarus", "icarus-b": "icarus"}
+    segments = [p[:6] for p in prompts_for(tokenizer, 3)] + [invocation]
+    checked_blocks = 0
+    original = blocks.allocate
+
+    def checked_allocate(seq):
+        nonlocal checked_blocks
+        original(seq)
+        kind = kinds[seq.adapter]
+        for index in range(seq.hashed_blocks):  # blocks served from the prefix cache
+            block = blocks.blocks[seq.block_table[index]]
+            owner = expected_owner(kind, seq.adapter, (index + 1) * BS, seq.invocation_start)
+            assert block.owner == owner, (seq.adapter, index, block.owner)
+            checked_blocks += 1
+
+    blocks.allocate = checked_allocate
+    requests, outputs = [], {}
+
+    def collect(step_outputs):
+        outputs.update({o.request_id: o.token_ids for o in step_outputs if o.finished})
+
+    for i in range(300):
+        adapter = rng.choice(list(kinds))
+        prompt = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(segments)]
+        params = SamplingParams(max_tokens=rng.randint(1, 3), ignore_eos=True)
+        requests.append((engine.add_request(prompt, params, adapter=adapter), prompt, adapter, params))
+        if rng.random() < 0.5:
+            collect(engine.step())
+    while engine.has_unfinished():
+        collect(engine.step())
+    assert len(outputs) == 300 and checked_blocks > 100
+    assert engine.stats()["evictions"] > 0  # the small pool really cycled blocks
+    for request_id, prompt, adapter, params in rng.sample(requests, 12):
+        fresh = LLM(base, list(adapters.values()), kv_cache_tokens=512, block_size=BS)
+        assert fresh.generate([prompt], params, adapter=adapter)[0].token_ids == outputs[request_id]
