@@ -9,40 +9,31 @@ All rows of a sequence go into one attention call that reads the sequence's K/V 
 an ICaRus request this is the paired decode of the brief: the base row and the adapter row
 of the same token are two query rows over the same keys, i.e. their query heads are
 concatenated for a single GQA attention call.
+
+What does not change between layers (which slots each sequence reads, which keys each row
+may see) is worked out once per forward in :func:`attention_plan`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store."""
-    keep = slots >= 0
-    if not bool(keep.any()):
-        return
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    index = slots[keep]
-    flat_k[index] = k[keep].to(flat_k.dtype)
-    flat_v[index] = v[keep].to(flat_v.dtype)
+@dataclass
+class SeqGroup:
+    start: int  # first row of the sequence in the batch
+    end: int  # one past its last row
+    slots: torch.Tensor  # flat cache slots of keys 0..length-1
+    mask: torch.Tensor | None  # (rows, length) allowed keys; None when every row sees all
 
 
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        row_seq: list[int], row_pos: torch.Tensor, block_tables: list[list[int]],
-                        scale: float) -> torch.Tensor:
-    """Causal GQA attention of query rows over their sequences' paged K/V.
-
-    q: (rows, q_heads, head_dim); row_seq: sequence index of each row (rows of a sequence are
-    contiguous); row_pos: position of each row; block_tables[s]: block ids of sequence s.
-    Returns (rows, q_heads, head_dim).
-    """
-    rows, n_q, d = q.shape
-    n_kv = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    out = torch.empty_like(q)
+def attention_plan(row_seq: list[int], row_pos: torch.Tensor, block_tables: list[list[int]],
+                   block_size: int) -> list[SeqGroup]:
+    groups = []
+    rows = len(row_seq)
     start = 0
     while start < rows:
         seq = row_seq[start]
@@ -51,16 +42,43 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             end += 1
         pos = row_pos[start:end]
         length = int(pos.max()) + 1
-        blocks = torch.tensor(block_tables[seq][: (length + block_size - 1) // block_size])
-        keys = k_cache[blocks].reshape(-1, n_kv, d)[:length]
-        values = v_cache[blocks].reshape(-1, n_kv, d)[:length]
-        # (1, heads, rows, d) x (1, kv_heads, length, d) with grouped heads
-        query = q[start:end].transpose(0, 1).unsqueeze(0)
-        keys = keys.transpose(0, 1).unsqueeze(0).to(query.dtype)
-        values = values.transpose(0, 1).unsqueeze(0).to(query.dtype)
-        allowed = torch.arange(length)[None, :] <= pos[:, None]
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[None, None],
-                                              scale=scale, enable_gqa=n_q != n_kv)
-        out[start:end] = attn[0].transpose(0, 1)
+        table = torch.tensor(block_tables[seq][: (length + block_size - 1) // block_size])
+        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
+        mask = None
+        if bool((pos != length - 1).any()):
+            mask = torch.arange(length)[None, :] <= pos[:, None]
+        groups.append(SeqGroup(start, end, slots, mask))
         start = end
+    return groups
+
+
+def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store."""
+    keep = slots >= 0
+    if bool(keep.all()):
+        index, k, v = slots, k, v
+    elif bool(keep.any()):
+        index, k, v = slots[keep], k[keep], v[keep]
+    else:
+        return
+    k_cache.view(-1, *k_cache.shape[2:])[index] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[index] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: list[SeqGroup], scale: float) -> torch.Tensor:
+    """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V."""
+    n_q, n_kv, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    flat_k = k_cache.view(-1, n_kv, d)
+    flat_v = v_cache.view(-1, n_kv, d)
+    out = torch.empty_like(q)
+    for g in plan:
+        query = q[g.start:g.end].transpose(0, 1).unsqueeze(0)  # (1, heads, rows, d)
+        keys = flat_k.index_select(0, g.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = flat_v.index_select(0, g.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        mask = g.mask[None, None] if g.mask is not None else None
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=n_q != n_kv)
+        out[g.start:g.end] = attn[0].transpose(0, 1)
     return out

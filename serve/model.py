@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import KvshareError
 from ..kernels import op
+from ..kernels.attention import attention_plan
 from ..safetensors_io import load_tensors, model_weight_files
 from .families import FAMILIES, rotary_for
 
@@ -95,6 +96,7 @@ class Model:
         cos, sin = self.rotary(h, rows.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
         n = h.shape[0]
+        plan = attention_plan(rows.row_seq, rows.positions, rows.block_tables, kv_cache.shape[3])
 
         def proj(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, self.layer_weight(layer, name),
@@ -113,8 +115,7 @@ class Model:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             write_kv(kv_cache[0, i], kv_cache[1, i], k, v, rows.write_slots)
-            a = attention(q, kv_cache[0, i], kv_cache[1, i], rows.row_seq, rows.positions,
-                          rows.block_tables, self.scale)
+            a = attention(q, kv_cache[0, i], kv_cache[1, i], plan, self.scale)
             h = h + proj(i, "o_proj", a.reshape(n, self.n_q * self.head_dim))
             x = _rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
             h = h + proj(i, "down_proj", F.silu(proj(i, "gate_proj", x)) * proj(i, "up_proj", x))

@@ -1,0 +1,119 @@
+"""Engine API: sampling options, stops, logprobs, abort, adapters at run time, metrics, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.errors import KvshareError
+from kvshare.serve import LLM, SamplingParams
+
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def llm(base, adapters):
+    return LLM(base, [adapters["lora-a"], adapters["icarus-a"]], kv_cache_tokens=2048, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return prompts_for(tokenizer, 1)[0]
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm, prompt):
+    def run(seed):
+        params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+        return llm.generate([prompt], params)[0].token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_top_k_one_is_greedy(llm, prompt):
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    top1 = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.7, top_k=1, seed=3,
+                                                 ignore_eos=True))[0].token_ids
+    assert top1 == greedy
+
+
+def test_stop_token_ids_and_stop_strings(llm, prompt, tokenizer):
+    full = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+    text = full.text
+    needle = text[len(text) // 2: len(text) // 2 + 3]
+    assert needle.strip()
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True, stop=[needle]))[0]
+    assert out.finish_reason == "stop" and needle not in out.text and text.startswith(out.text)
+
+
+def test_length_finish_and_logprobs(llm, prompt):
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry["token"] == token and len(entry["top"]) == 3
+        assert entry["logprob"] == pytest.approx(max(entry["top"].values()))  # greedy picks the top
+
+
+def test_metrics_per_request_and_engine_counters(llm, prompt):
+    out = llm.generate([prompt * 3], SamplingParams(max_tokens=6, ignore_eos=True), adapter="icarus-a")[0]
+    m = out.metrics
+    assert m["time_to_first_token"] > 0 and m["e2e_time"] >= m["time_to_first_token"]
+    assert m["inter_token_latency"] > 0 and m["queue_time"] >= 0
+    assert m["prompt_tokens_cached"] + m["prompt_tokens_computed"] == len(prompt) * 3
+    stats = llm.engine.stats()
+    for key in ("blocks_in_use", "blocks_in_use_shared", "blocks_in_use_private", "prefix_hit_rate",
+                "evictions", "preemptions", "generated_tokens"):
+        assert key in stats
+
+
+def test_abort_frees_blocks(llm, prompt):
+    engine = llm.engine
+    request = engine.add_request(prompt * 4, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.stats()["blocks_in_use"] > 0
+    assert engine.abort(request) and not engine.abort(request)
+    assert engine.stats()["blocks_in_use"] == 0 and not engine.has_unfinished()
+
+
+def test_load_and_unload_adapters_while_running(llm, adapters, prompt, invocation):
+    engine = llm.engine
+    first = engine.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), adapter="lora-a")
+    engine.step()
+    name = engine.load_adapter(adapters["alora-a"])
+    second = engine.add_request(prompt + invocation, SamplingParams(max_tokens=4, ignore_eos=True), adapter=name)
+    with pytest.raises(KvshareError, match="in use"):
+        engine.unload_adapter("lora-a")
+    done = set()
+    while engine.has_unfinished():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert {first, second} <= done
+    engine.unload_adapter(name)
+    with pytest.raises(KvshareError, match="unknown adapter"):
+        engine.add_request(prompt, adapter=name)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(KvshareError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests(llm, prompt):
+    engine = llm.engine
+    with pytest.raises(KvshareError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(KvshareError, match="max_model_len"):
+        engine.add_request(prompt, SamplingParams(max_tokens=10**6))
+    with pytest.raises(KvshareError, match="unknown adapter"):
+        engine.add_request(prompt, adapter="nobody")
+    engine.add_request(prompt, SamplingParams(max_tokens=1), request_id="dup")
+    with pytest.raises(KvshareError, match="already in use"):
+        engine.add_request(prompt, request_id="dup")
+    engine.abort("dup")
