@@ -108,6 +108,15 @@ def _cmd_plot_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from .serve.bench import markdown, run_engine_bench
+
+    results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
+                               new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick)
+    print(markdown(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -176,6 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PNG", help="image to write")
     p.add_argument("--label", action="append", help="legend label per run (default: run name)")
     p.set_defaults(func=_cmd_plot_loss)
+
+    bench = sub.add_parser("bench", help="benchmarks that print figures and ratios",
+                           description="Benchmarks measured side by side in one run.")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    p = bsub.add_parser("engine", help="engine vs transformers: decode, prefill, ICaRus step, KV bytes",
+                        description="Measure the serving engine against Hugging Face transformers on "
+                        "one model: decode (batch 1 and 16), prefill (1k and 4k tokens), the ICaRus "
+                        "paired decode step, and KV bytes for N agents over one context.")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="short prompts (256/512) for a fast check")
+    p.add_argument("--out", metavar="DIR", help="write engine_bench.json and engine_bench.md here")
+    p.set_defaults(func=_cmd_bench_engine)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
                        description="Pull SmolLM2-135M-Instruct if needed, load it through "

@@ -1,0 +1,178 @@
+"""``kvshare bench engine``: the engine against Hugging Face transformers, measured side by side.
+
+Figures (SmolLM2-135M-Instruct by default, CPU threads as given): batch-1 and batch-16 decode
+tokens/s, 1k and 4k-token prefill tokens/s, the time of an ICaRus paired decode step over a
+base decode step, and the KV bytes N ICaRus agents hold over one shared context versus one
+agent (and versus N conventional LoRA agents). Absolute times on a shared CPU are noisy;
+compare the ratios, which come from one run.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..export import export_adapter
+from ..models import resolve_model_dir
+from ..testing import ICARUS_TARGETS, make_peft_adapter
+from .engine import LLM
+from .sampling import SamplingParams
+
+TEXT = ("The history of the Roman empire spans many centuries, from the founding of the city to the "
+        "fall of Constantinople, and includes wars, reforms, emperors and the rise of Christianity. ")
+
+
+def _prompt(tokenizer, n_tokens: int) -> list[int]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
+    """Decode tokens/s of transformers' greedy generate (prefill time subtracted)."""
+    ids = torch.tensor(prompts)
+    def run(n):
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+    run(2)
+    prefill = run(1)
+    return len(prompts) * (new - 1) / (run(new) - prefill)
+
+
+def _engine_decode_rate(llm: LLM, prompts: list[list[int]], new: int, adapter: str | None = None) -> float:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params, adapter=adapter)
+    engine.step()  # prefill every prompt and sample the first token
+    while engine.scheduler.waiting or any(s.num_computed < len(s.prompt) for s in engine.scheduler.running):
+        engine.step()
+    start, produced = time.perf_counter(), 0
+    while engine.has_unfinished():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - start)
+
+
+def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: int = 24) -> float:
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True), adapter=adapter)
+    engine.step()
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]  # median step
+
+
+def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
+    with torch.no_grad():
+        hf(torch.tensor([prompt[:64]]))
+        start = time.perf_counter()
+        hf(torch.tensor([prompt]))
+        hf_rate = len(prompt) / (time.perf_counter() - start)
+    llm.engine.blocks.__init__(len(llm.engine.blocks.blocks), llm.engine.blocks.block_size,
+                               llm.engine.fingerprint)  # forget cached prefixes: measure compute
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    return len(prompt) / (time.perf_counter() - start), hf_rate
+
+
+def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
+    """Peak KV bytes while each agent answers over the same context (all in one batch)."""
+    engine = llm.engine
+    engine.blocks.__init__(len(engine.blocks.blocks), engine.blocks.block_size, engine.fingerprint)
+    for name in adapters:
+        engine.add_request(context, SamplingParams(max_tokens=new, ignore_eos=True), adapter=name)
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.stats()["blocks_in_use"])
+    return peak * engine.blocks.block_size * engine.kv_bytes_per_token
+
+
+def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
+                     new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(model)
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
+    lengths = (256, 512) if quick else (1024, 4096)
+    llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
+              max_num_batched_tokens=max(lengths), dtype=dtype)
+    tokenizer = llm.engine.tokenizer
+    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens}
+    steps = tqdm(total=6, desc="bench engine", unit="figure")
+
+    short = _prompt(tokenizer, 32)
+    results["decode_b1"] = {"kvshare": _engine_decode_rate(llm, [short], new_tokens),
+                            "hf": _hf_decode_rate(hf, [short], new_tokens)}
+    steps.update()
+    batch = [_prompt(tokenizer, 32 + i) for i in range(16)]
+    batch = [p[-32:] for p in batch]  # equal lengths: HF needs no padding
+    results["decode_b16"] = {"kvshare": _engine_decode_rate(llm, batch, new_tokens),
+                             "hf": _hf_decode_rate(hf, batch, new_tokens)}
+    steps.update()
+    for length in lengths:
+        ours, theirs = _prefill_rates(llm, hf, _prompt(tokenizer, length))
+        results[f"prefill_{length}"] = {"kvshare": ours, "hf": theirs}
+        steps.update()
+
+    with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
+        agents = []
+        for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
+            targets = ICARUS_TARGETS if kind == "icarus" else ICARUS_TARGETS + ("k_proj", "v_proj")
+            ckpt = make_peft_adapter(model_dir, Path(tmp) / f"ckpt-{i}", target_modules=targets,
+                                     rank=8, seed=i)
+            agents.append(llm.engine.load_adapter(export_adapter(ckpt, kind=kind, base=model_dir,
+                                                                 out=Path(tmp) / f"{kind}-{i}")))
+        icarus, lora = agents[:8], agents[8:]
+        base_step = _engine_step_time(llm, short, None)
+        pair_step = _engine_step_time(llm, short, icarus[0])
+        results["icarus_step_ratio"] = {"base_step_s": base_step, "icarus_step_s": pair_step,
+                                        "ratio": pair_step / base_step}
+        steps.update()
+        context = _prompt(tokenizer, 256 if quick else 1024)
+        one = _kv_bytes_for_agents(llm, icarus[:1], context, 16)
+        kv = {"context_tokens": len(context), "one_agent_bytes": one}
+        for n in (2, 4, 8):
+            kv[f"icarus_{n}_bytes"] = _kv_bytes_for_agents(llm, icarus[:n], context, 16)
+            kv[f"lora_{n}_bytes"] = _kv_bytes_for_agents(llm, lora[:n], context, 16)
+        results["kv_bytes"] = kv
+        steps.update()
+    steps.close()
+    if out_dir:
+        write_report(results, Path(out_dir))
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = ["| figure | kvshare | HF transformers | ratio |", "|---|---|---|---|"]
+    for key, label in [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
+            (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in results if k.startswith("prefill_")]:
+        r = results[key]
+        lines.append(f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |")
+    s = results["icarus_step_ratio"]
+    lines.append(f"| ICaRus paired decode step / base step | {s['icarus_step_s'] * 1e3:.1f} ms | "
+                 f"{s['base_step_s'] * 1e3:.1f} ms (base) | {s['ratio']:.2f}x |")
+    kv = results["kv_bytes"]
+    for n in (2, 4, 8):
+        lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token context) | "
+                     f"ICaRus {kv[f'icarus_{n}_bytes'] / kv['one_agent_bytes']:.2f}x | "
+                     f"LoRA {kv[f'lora_{n}_bytes'] / kv['one_agent_bytes']:.2f}x | |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "engine_bench.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "engine_bench.md").write_text(markdown(results))
