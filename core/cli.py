@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--quick", action="store_true", help="short prompts (256/512) for a fast check")
+    p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--out", metavar="DIR", help="write engine_bench.json and engine_bench.md here")
     p.set_defaults(func=_cmd_bench_engine)
 

@@ -78,23 +78,22 @@ def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
         start = time.perf_counter()
         hf(torch.tensor([prompt]))
         hf_rate = len(prompt) / (time.perf_counter() - start)
-    llm.engine.blocks.__init__(len(llm.engine.blocks.blocks), llm.engine.blocks.block_size,
-                               llm.engine.fingerprint)  # forget cached prefixes: measure compute
+    llm.engine.blocks.reset()  # forget cached prefixes: measure compute
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
     return len(prompt) / (time.perf_counter() - start), hf_rate
 
 
 def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
-    """Peak KV bytes while each agent answers over the same context (all in one batch)."""
+    """Peak KV bytes (blocks in use or cached) while N agents answer over one context at once."""
     engine = llm.engine
-    engine.blocks.__init__(len(engine.blocks.blocks), engine.blocks.block_size, engine.fingerprint)
+    engine.blocks.reset()
     for name in adapters:
         engine.add_request(context, SamplingParams(max_tokens=new, ignore_eos=True), adapter=name)
     peak = 0
     while engine.has_unfinished():
         engine.step()
-        peak = max(peak, engine.stats()["blocks_in_use"])
+        peak = max(peak, engine.blocks.num_holding_kv)
     return peak * engine.blocks.block_size * engine.kv_bytes_per_token
 
 
@@ -106,7 +105,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     model_dir = resolve_model_dir(model)
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
-    lengths = (256, 512) if quick else (1024, 4096)
+    lengths = (128, 256) if quick else (1024, 4096)
     llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
               max_num_batched_tokens=max(lengths), dtype=dtype)
     tokenizer = llm.engine.tokenizer
@@ -141,12 +140,15 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
         results["icarus_step_ratio"] = {"base_step_s": base_step, "icarus_step_s": pair_step,
                                         "ratio": pair_step / base_step}
         steps.update()
-        context = _prompt(tokenizer, 256 if quick else 1024)
-        one = _kv_bytes_for_agents(llm, icarus[:1], context, 16)
-        kv = {"context_tokens": len(context), "one_agent_bytes": one}
+        context = _prompt(tokenizer, 128 if quick else 1024)
+        # new=1: the KV of the shared context itself; new=17: plus 16 generated tokens per agent
+        kv = {"context_tokens": len(context),
+              "one_agent_bytes": _kv_bytes_for_agents(llm, icarus[:1], context, 1),
+              "one_agent_bytes_16_generated": _kv_bytes_for_agents(llm, icarus[:1], context, 17)}
         for n in (2, 4, 8):
-            kv[f"icarus_{n}_bytes"] = _kv_bytes_for_agents(llm, icarus[:n], context, 16)
-            kv[f"lora_{n}_bytes"] = _kv_bytes_for_agents(llm, lora[:n], context, 16)
+            for kind, names in (("icarus", icarus), ("lora", lora)):
+                kv[f"{kind}_{n}_bytes"] = _kv_bytes_for_agents(llm, names[:n], context, 1)
+                kv[f"{kind}_{n}_bytes_16_generated"] = _kv_bytes_for_agents(llm, names[:n], context, 17)
         results["kv_bytes"] = kv
         steps.update()
     steps.close()
@@ -166,9 +168,11 @@ def markdown(results: dict) -> str:
                  f"{s['base_step_s'] * 1e3:.1f} ms (base) | {s['ratio']:.2f}x |")
     kv = results["kv_bytes"]
     for n in (2, 4, 8):
-        lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token context) | "
-                     f"ICaRus {kv[f'icarus_{n}_bytes'] / kv['one_agent_bytes']:.2f}x | "
-                     f"LoRA {kv[f'lora_{n}_bytes'] / kv['one_agent_bytes']:.2f}x | |")
+        for suffix, what in (("", "context"), ("_16_generated", "context + 16 generated tokens each")):
+            one = kv[f"one_agent_bytes{suffix}"]
+            lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token {what}) | "
+                         f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
+                         f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,10 @@ class OutOfBlocks(Exception):
     """The pool cannot supply the blocks asked for (the scheduler preempts and retries)."""
 
 
+class PrefixPending(Exception):
+    """The next block of this prompt is being computed for another request: wait, then reuse it."""
+
+
 @dataclass
 class Block:
     id: int
@@ -35,12 +39,20 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, base_fingerprint: str):
+        self.root = hashlib.sha256(f"kvshare-kv:{base_fingerprint}".encode()).digest()
         self.block_size = block_size
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int | None = None) -> None:
+        """Forget every cached block (no sequence may hold blocks)."""
+        if hasattr(self, "blocks") and any(b.ref_count for b in self.blocks):
+            raise RuntimeError("cannot reset the KV pool while requests hold blocks")
+        num_blocks = num_blocks or len(self.blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest
         self.cached: dict[bytes, int] = {}  # key -> block id
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
-        self.root = hashlib.sha256(f"kvshare-kv:{base_fingerprint}".encode()).digest()
+        self.pending: dict[bytes, int] = {}  # key -> block id: allocated, KV not computed yet
         self.stats = {"hit_tokens": 0, "queried_tokens": 0, "evictions": 0}
 
     # keys -------------------------------------------------------------------------------
@@ -88,9 +100,12 @@ class BlockManager:
         """
         length = len(seq)
         hits: list[int] = []
-        for _, _, key in self._keys(seq, length):
+        keys = [key for _, _, key in self._keys(seq, length)]
+        for key in keys:
             block_id = self.cached.get(key)
             if block_id is None:
+                if key in self.pending:
+                    raise PrefixPending  # same prefix admitted just before: share it once computed
                 break
             hits.append(block_id)
         fresh = self.blocks_needed(length) - len(hits)
@@ -101,6 +116,8 @@ class BlockManager:
             self.evictable.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         seq.block_table = hits + [self._take() for _ in range(fresh)]
+        for index in range(len(hits), len(keys)):
+            self.pending.setdefault(keys[index], seq.block_table[index])
         seq.num_computed = len(hits) * self.block_size
         seq.hashed_blocks = len(hits)
         self.stats["queried_tokens"] += len(seq.prompt)
@@ -123,6 +140,8 @@ class BlockManager:
             if index < seq.hashed_blocks:
                 continue
             block = self.blocks[seq.block_table[index]]
+            if self.pending.get(key) == block.id:
+                del self.pending[key]
             if key not in self.cached and block.key is None:
                 block.key, block.owner = key, owner
                 self.cached[key] = block.id
@@ -130,6 +149,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
+        owned = set(seq.block_table)
+        for key in [k for k, b in self.pending.items() if b in owned]:
+            del self.pending[key]
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -141,6 +163,11 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.hashed_blocks = 0
+
+    @property
+    def num_holding_kv(self) -> int:
+        """Blocks that hold KV: in use by a request or kept in the prefix cache."""
+        return len(self.blocks) - len(self.free_ids)
 
     def usage(self) -> dict:
         in_use = [b for b in self.blocks if b.ref_count > 0]

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .block_manager import BlockManager, OutOfBlocks
+from .block_manager import BlockManager, OutOfBlocks, PrefixPending
 from .sequence import Sequence, Status
 
 
@@ -94,7 +94,7 @@ class Scheduler:
             seq = self.waiting[0]
             try:
                 self.blocks.allocate(seq)
-            except OutOfBlocks:
+            except (OutOfBlocks, PrefixPending):
                 break  # admit strictly in order: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)

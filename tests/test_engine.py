@@ -78,6 +78,15 @@ def icarus_greedy(peft_model, prompt: list[int], n: int = NEW) -> list[int]:
     return tokens[len(prompt):]
 
 
+def run_together(engine, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    """Submit every request to one engine at once, step to the end, return outputs in order."""
+    ids = [engine.add_request(p, GREEDY, adapter=a) for p, a in requests]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
 def peft_model(base: Path, adapter: Path):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
 
@@ -143,14 +152,7 @@ def test_mixed_batch_equals_each_request_alone(base, adapters, tokenizer, invoca
         llm = LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8)
         alone.append(llm.generate([prompt], GREEDY, adapter=adapter)[0].token_ids)
     llm = LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8, max_num_batched_tokens=40)
-    engine = llm.engine
-    ids = [engine.add_request(p, GREEDY, adapter=a) for p, a in requests]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    assert [done[i] for i in ids] == alone
+    assert run_together(llm.engine, requests) == alone
 
 
 def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
@@ -159,12 +161,5 @@ def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
     roomy = LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4)
     expected = [roomy.generate([p], GREEDY, adapter=a)[0].token_ids for p, a in requests]
     tight = LLM(base, list(adapters.values()), kv_cache_tokens=4 * 60, block_size=4)
-    engine = tight.engine
-    ids = [engine.add_request(p, GREEDY, adapter=a) for p, a in requests]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.stats()["preemptions"] > 0
-    assert [done[i].token_ids for i in ids] == expected
+    assert run_together(tight.engine, requests) == expected
+    assert tight.engine.stats()["preemptions"] > 0

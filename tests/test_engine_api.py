@@ -117,3 +117,16 @@ def test_bad_requests(llm, prompt):
     with pytest.raises(KvshareError, match="already in use"):
         engine.add_request(prompt, request_id="dup")
     engine.abort("dup")
+
+
+def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models, tmp_path):
+    """The benchmark's figures are printed, not asserted; its KV-bytes invariant is exact."""
+    from kvshare.serve.bench import run_engine_bench
+
+    results = run_engine_bench(model=str(tiny_models("llama")), new_tokens=8, out_dir=tmp_path, quick=True)
+    kv = results["kv_bytes"]
+    for n in (2, 4, 8):
+        assert kv[f"icarus_{n}_bytes"] == kv["one_agent_bytes"]  # one shared cache
+        assert kv[f"lora_{n}_bytes"] == n * kv["one_agent_bytes"]  # a cache per agent
+    assert (tmp_path / "engine_bench.md").read_text().startswith("| figure |")
+    assert results["decode_b1"]["kvshare"] > 0 and results["icarus_step_ratio"]["ratio"] > 0
