@@ -1,0 +1,82 @@
+"""Kernel references against the plainest possible formulation, over random layouts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvshare.kernels import op, use
+from kvshare.kernels.attention import attention_plan
+
+
+def dense_causal(q, k, v, positions, scale):
+    """softmax(q k^T) v with keys 0..position per row, GQA by repeating heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("rhd,thd->rht", q, k) * scale
+    allowed = torch.arange(k.shape[0])[None, None, :] <= positions[:, None, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+    return torch.einsum("rht,thd->rhd", probs, v)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_paged_attention_equals_dense_attention(seed):
+    gen = torch.Generator().manual_seed(seed)
+    block_size, n_blocks, n_q, n_kv, d = 4, 32, 6, 2, 8
+    k_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen)
+    v_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen)
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    tables, rows_seq, rows_pos, dense = [], [], [], []
+    for s, length in enumerate([5, 11, 1]):
+        table = [free.pop() for _ in range((length + block_size - 1) // block_size)]
+        tables.append(table)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        keys = k_cache.view(-1, n_kv, d)[slots]
+        values = v_cache.view(-1, n_kv, d)[slots]
+        # a prefill chunk for the first sequence, decode rows (one or a pair) for the others
+        positions = {0: [2, 3, 4], 1: [10, 10], 2: [0]}[s]
+        rows_seq += [s] * len(positions)
+        rows_pos += positions
+        dense.append((keys, values, torch.tensor(positions)))
+    q = torch.randn(len(rows_seq), n_q, d, generator=gen)
+    pos = torch.tensor(rows_pos)
+    got = op("paged_attention")(q, k_cache, v_cache, attention_plan(rows_seq, pos, tables, block_size), d ** -0.5)
+    start = 0
+    for keys, values, positions in dense:
+        end = start + len(positions)
+        want = dense_causal(q[start:end], keys, values, positions, d ** -0.5)
+        torch.testing.assert_close(got[start:end], want, atol=1e-5, rtol=1e-5)
+        start = end
+
+
+def test_write_kv_skips_read_only_rows():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    k = torch.arange(6.0).view(3, 1, 2)
+    op("write_kv")(k_cache, v_cache, k, -k, torch.tensor([5, -1, 0]))
+    flat = k_cache.view(-1, 1, 2)
+    assert torch.equal(flat[5], k[0]) and torch.equal(flat[0], k[2])
+    assert flat[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
+
+
+def test_gathered_lora_equals_a_per_row_loop():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 16, generator=gen)
+    base = torch.randn(7, 12, generator=gen)
+    weights = [(torch.randn(4, 16, generator=gen), torch.randn(12, 4, generator=gen), 2.0), None,
+               (torch.randn(8, 16, generator=gen), torch.randn(12, 8, generator=gen), 0.5)]
+    index = torch.tensor([0, -1, 2, 1, 0, 2, -1])
+    got = op("gathered_lora")(x, base, index, weights)
+    for r in range(7):
+        slot = int(index[r])
+        want = base[r].clone()
+        if slot >= 0 and weights[slot] is not None:
+            a, b, s = weights[slot]
+            want += (b @ (a @ x[r])) * s
+        torch.testing.assert_close(got[r], want)
+
+
+def test_dispatch_refuses_unknown_backends():
+    with pytest.raises(KeyError):
+        use("paged_attention", "triton-that-is-not-registered")
