@@ -21,7 +21,6 @@ from ..kernels.attention import attention_plan
 from ..safetensors_io import load_tensors, model_weight_files
 from .families import FAMILIES, rotary_for
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -59,7 +58,6 @@ class Model:
         c = self.config
         if c.model_type not in FAMILIES:
             raise KvshareError(f"model family {c.model_type!r} is not supported by the engine")
-        self.family = FAMILIES[c.model_type]
         self.dtype = dtype
         self.n_layers = c.num_hidden_layers
         self.n_q = c.num_attention_heads
@@ -67,21 +65,33 @@ class Model:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // self.n_q
         self.eps = c.rms_norm_eps
         self.scale = self.head_dim ** -0.5
-        weights: dict[str, torch.Tensor] = {}
+        w: dict[str, torch.Tensor] = {}
         for file in model_weight_files(model_dir):
-            weights.update(load_tensors(file))
-        self.w = {k: v.to(dtype) for k, v in weights.items()}
-        if "lm_head.weight" not in self.w or c.tie_word_embeddings:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+            w.update(load_tensors(file))
+        w = {k: v.to(dtype) for k, v in w.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
         self.rotary = rotary_for(c.model_type, c)
-        self.has_bias = self.family.qkv_bias(c)
-
-    def layer_weight(self, layer: int, name: str) -> torch.Tensor:
-        group = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm") else "mlp"
-        return self.w[f"model.layers.{layer}.{group}.{name}.weight"]
-
-    def _bias(self, layer: int, name: str) -> torch.Tensor | None:
-        return self.w.get(f"model.layers.{layer}.self_attn.{name}.bias")
+        # q/k/v and gate/up are fused into one matmul each (one read of x, fewer calls);
+        # LoRA deltas are added to each projection's slice of the output.
+        self.layers = []
+        for i in range(self.n_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            biases = [w.get(f"{a}{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]
+            self.layers.append({
+                "input_norm": w[f"model.layers.{i}.input_layernorm.weight"],
+                "post_norm": w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                "qkv": torch.cat([w[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]),
+                "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,
+                "o": w[f"{a}o_proj.weight"],
+                "gate_up": torch.cat([w[f"{m}gate_proj.weight"], w[f"{m}up_proj.weight"]]),
+                "down": w[f"{m}down_proj.weight"],
+                "q_norm": w.get(f"{a}q_norm.weight"),
+                "k_norm": w.get(f"{a}k_norm.weight"),
+            })
+        self.q_size, self.kv_size = self.n_q * self.head_dim, self.n_kv * self.head_dim
+        self.inter = self.layers[0]["down"].shape[1]
 
     @torch.no_grad()
     def forward(self, rows: Rows, kv_cache: torch.Tensor, lora) -> torch.Tensor:
@@ -92,32 +102,39 @@ class Model:
         """
         attention, write_kv, gathered = op("paged_attention"), op("write_kv"), op("gathered_lora")
         slots = rows.adapter_slots
-        h = F.embedding(rows.tokens, self.w["model.embed_tokens.weight"])
+        any_lora = bool((slots >= 0).any())
+        h = F.embedding(rows.tokens, self.embed)
         cos, sin = self.rotary(h, rows.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
         n = h.shape[0]
         plan = attention_plan(rows.row_seq, rows.positions, rows.block_tables, kv_cache.shape[3])
 
-        def proj(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-            y = F.linear(x, self.layer_weight(layer, name),
-                         self._bias(layer, name) if self.has_bias and name in ("q_proj", "k_proj", "v_proj") else None)
-            return gathered(x, y, slots, lora(layer, name))
+        def adapt(i: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+            """Split a fused output into its projections and add each one's LoRA delta."""
+            sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
+                     "gate_proj": self.inter, "up_proj": self.inter}
+            parts = list(torch.split(y, [sizes.get(name, y.shape[-1]) for name in names], dim=-1))
+            if any_lora:
+                parts = [gathered(x, part, slots, lora(i, name)) for part, name in zip(parts, names)]
+            return parts
 
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            x = _rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
-            q = proj(i, "q_proj", x).view(n, self.n_q, self.head_dim)
-            k = proj(i, "k_proj", x).view(n, self.n_kv, self.head_dim)
-            v = proj(i, "v_proj", x).view(n, self.n_kv, self.head_dim)
-            if self.family.qk_norm:
-                q = _rms_norm(q, self.layer_weight(i, "q_norm"), self.eps)
-                k = _rms_norm(k, self.layer_weight(i, "k_norm"), self.eps)
+        for i, L in enumerate(self.layers):
+            x = _rms_norm(h, L["input_norm"], self.eps)
+            q, k, v = adapt(i, ("q_proj", "k_proj", "v_proj"), x, F.linear(x, L["qkv"], L["qkv_bias"]))
+            q = q.reshape(n, self.n_q, self.head_dim)
+            k = k.reshape(n, self.n_kv, self.head_dim)
+            v = v.reshape(n, self.n_kv, self.head_dim)
+            if L["q_norm"] is not None:
+                q = _rms_norm(q, L["q_norm"], self.eps)
+                k = _rms_norm(k, L["k_norm"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             write_kv(kv_cache[0, i], kv_cache[1, i], k, v, rows.write_slots)
-            a = attention(q, kv_cache[0, i], kv_cache[1, i], plan, self.scale)
-            h = h + proj(i, "o_proj", a.reshape(n, self.n_q * self.head_dim))
-            x = _rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
-            h = h + proj(i, "down_proj", F.silu(proj(i, "gate_proj", x)) * proj(i, "up_proj", x))
-        h = _rms_norm(h[rows.logit_rows], self.w["model.norm.weight"], self.eps)
-        return F.linear(h, self.w["lm_head.weight"]).float()
+            a = attention(q, kv_cache[0, i], kv_cache[1, i], plan, self.scale).reshape(n, self.q_size)
+            h = h + adapt(i, ("o_proj",), a, F.linear(a, L["o"]))[0]
+            x = _rms_norm(h, L["post_norm"], self.eps)
+            gate, up = adapt(i, ("gate_proj", "up_proj"), x, F.linear(x, L["gate_up"]))
+            act = F.silu(gate) * up
+            h = h + adapt(i, ("down_proj",), act, F.linear(act, L["down"]))[0]
+        h = _rms_norm(h[rows.logit_rows], self.final_norm, self.eps)
+        return F.linear(h, self.lm_head).float()
