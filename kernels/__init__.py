@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .attention import paged_attention_ref, write_kv_ref
-from .lora import gathered_lora_ref
+from .lora import gathered_lora_ref, lora_groups
 
 _REGISTRY: dict[tuple[str, str], Callable] = {
     ("paged_attention", "torch"): paged_attention_ref,

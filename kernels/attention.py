@@ -28,6 +28,7 @@ class SeqGroup:
     end: int  # one past its last row
     slots: torch.Tensor  # flat cache slots of keys 0..length-1
     mask: torch.Tensor | None  # (rows, length) allowed keys; None when every row sees all
+    causal: bool = False  # rows are positions 0..length-1 in order: plain causal attention
 
 
 def attention_plan(row_seq: list[int], row_pos: torch.Tensor, block_tables: list[list[int]],
@@ -44,10 +45,12 @@ def attention_plan(row_seq: list[int], row_pos: torch.Tensor, block_tables: list
         length = int(pos.max()) + 1
         table = torch.tensor(block_tables[seq][: (length + block_size - 1) // block_size])
         slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
-        mask = None
-        if bool((pos != length - 1).any()):
+        mask, causal = None, False
+        if end - start == length and bool((pos == torch.arange(length)).all()):
+            causal = length > 1  # a prefill from position 0: SDPA's causal kernel, no mask
+        elif bool((pos != length - 1).any()):
             mask = torch.arange(length)[None, :] <= pos[:, None]
-        groups.append(SeqGroup(start, end, slots, mask))
+        groups.append(SeqGroup(start, end, slots, mask, causal))
         start = end
     return groups
 
@@ -79,6 +82,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         values = flat_v.index_select(0, g.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         mask = g.mask[None, None] if g.mask is not None else None
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                              enable_gqa=n_q != n_kv)
+                                              is_causal=g.causal, enable_gqa=n_q != n_kv)
         out[g.start:g.end] = attn[0].transpose(0, 1)
     return out

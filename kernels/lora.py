@@ -11,21 +11,25 @@ import torch
 import torch.nn.functional as F
 
 
-def gathered_lora_ref(x: torch.Tensor, base_out: torch.Tensor, index: torch.Tensor,
-                      weights: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> torch.Tensor:
-    """Add each row's adapter delta to ``base_out`` (rows, out) and return it.
+def lora_groups(index: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(adapter slot, its row indices) for every slot used in a batch; computed once per forward."""
+    used = index[index >= 0]
+    return [(slot, (index == slot).nonzero().squeeze(1)) for slot in torch.unique(used).tolist()]
 
-    ``weights[a]`` is (A (r, in), B (out, r), scale) of adapter slot a, or None when that
-    adapter does not adapt this projection.
+
+def gathered_lora_ref(x: torch.Tensor, base_out: torch.Tensor, groups: list[tuple[int, torch.Tensor]],
+                      weights: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> torch.Tensor:
+    """Add each row's adapter delta to ``base_out`` (rows, out); returns a new tensor.
+
+    ``groups`` comes from :func:`lora_groups`; ``weights[a]`` is (A (r, in), B (out, r), scale)
+    of adapter slot a, or None when that adapter does not adapt this projection.
     """
-    if index.numel() == 0 or bool((index < 0).all()):
-        return base_out
-    out = base_out.clone()
-    for slot in torch.unique(index[index >= 0]).tolist():
+    out = base_out
+    for slot, rows in groups:
         entry = weights[slot]
         if entry is None:
             continue
         a, b, scale = entry
-        rows = index == slot
-        out[rows] = base_out[rows] + F.linear(F.linear(x[rows], a), b) * scale
+        delta = F.linear(F.linear(x.index_select(0, rows), a), b) * scale
+        out = out.index_add(0, rows, delta)  # out of place: base_out is left untouched
     return out

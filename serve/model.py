@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..errors import KvshareError
 from ..kernels import op
 from ..kernels.attention import attention_plan
+from ..kernels.lora import lora_groups
 from ..safetensors_io import load_tensors, model_weight_files
 from .families import FAMILIES, rotary_for
 
@@ -101,8 +102,7 @@ class Model:
         name)`` gives each adapter slot's (A, B, scale) for a projection, or None.
         """
         attention, write_kv, gathered = op("paged_attention"), op("write_kv"), op("gathered_lora")
-        slots = rows.adapter_slots
-        any_lora = bool((slots >= 0).any())
+        groups = lora_groups(rows.adapter_slots)
         h = F.embedding(rows.tokens, self.embed)
         cos, sin = self.rotary(h, rows.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
@@ -114,8 +114,8 @@ class Model:
             sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
                      "gate_proj": self.inter, "up_proj": self.inter}
             parts = list(torch.split(y, [sizes.get(name, y.shape[-1]) for name in names], dim=-1))
-            if any_lora:
-                parts = [gathered(x, part, slots, lora(i, name)) for part, name in zip(parts, names)]
+            if groups:
+                parts = [gathered(x, part, groups, lora(i, name)) for part, name in zip(parts, names)]
             return parts
 
         for i, L in enumerate(self.layers):

@@ -9,6 +9,7 @@ import torch
 
 from kvshare.kernels import op, use
 from kvshare.kernels.attention import attention_plan
+from kvshare.kernels.lora import lora_groups
 
 
 def dense_causal(q, k, v, positions, scale):
@@ -35,8 +36,9 @@ def test_paged_attention_equals_dense_attention(seed):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
         keys = k_cache.view(-1, n_kv, d)[slots]
         values = v_cache.view(-1, n_kv, d)[slots]
-        # a prefill chunk for the first sequence, decode rows (one or a pair) for the others
-        positions = {0: [2, 3, 4], 1: [10, 10], 2: [0]}[s]
+        # a prefill (from 0, or a later chunk) for the first sequence, decode rows (one or an
+        # ICaRus pair) for the others
+        positions = {0: [0, 1, 2, 3, 4] if seed % 2 else [2, 3, 4], 1: [10, 10], 2: [0]}[s]
         rows_seq += [s] * len(positions)
         rows_pos += positions
         dense.append((keys, values, torch.tensor(positions)))
@@ -67,7 +69,7 @@ def test_gathered_lora_equals_a_per_row_loop():
     weights = [(torch.randn(4, 16, generator=gen), torch.randn(12, 4, generator=gen), 2.0), None,
                (torch.randn(8, 16, generator=gen), torch.randn(12, 8, generator=gen), 0.5)]
     index = torch.tensor([0, -1, 2, 1, 0, 2, -1])
-    got = op("gathered_lora")(x, base, index, weights)
+    got = op("gathered_lora")(x, base, lora_groups(index), weights)
     for r in range(7):
         slot = int(index[r])
         want = base[r].clone()

@@ -154,7 +154,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
                file=sys.stderr, dynamic_ncols=True)
     window: list[float] = []
-    last_loss = float("nan")
+    last_loss = float("nan")  # mean loss of the last logged window: the run's final loss
     started = time.perf_counter() - state["seconds"]
     window_start, window_tokens = time.perf_counter(), 0
     model.train()
@@ -186,10 +186,10 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         optimizer.zero_grad(set_to_none=True)
         state["micro"] += tp.grad_accum
         state["step"] += 1
-        last_loss = accel.reduce(step_loss.detach().clone(), reduction="mean").item()
-        window.append(last_loss)
-        if not math.isfinite(last_loss):
-            raise KvshareError(f"loss became {last_loss} at step {state['step']}; "
+        step_value = accel.reduce(step_loss.detach().clone(), reduction="mean").item()
+        window.append(step_value)
+        if not math.isfinite(step_value):
+            raise KvshareError(f"loss became {step_value} at step {state['step']}; "
                                "lower train.lr or use mixed_precision: no")
         if state["step"] % tp.log_every == 0 or state["step"] == limit:
             now = time.perf_counter()
@@ -197,6 +197,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
                       "lr": scheduler.get_last_lr()[0], "epoch": state["epoch"],
                       "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                       "seconds": now - started}
+            last_loss = record["loss"]
             if main:
                 with open(metrics_path, "a") as handle:
                     handle.write(json.dumps(record) + "\n")
