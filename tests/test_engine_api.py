@@ -130,3 +130,13 @@ def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models,
         assert kv[f"lora_{n}_bytes"] == n * kv["one_agent_bytes"]  # a cache per agent
     assert (tmp_path / "engine_bench.md").read_text().startswith("| figure |")
     assert results["decode_b1"]["kvshare"] > 0 and results["icarus_step_ratio"]["ratio"] > 0
+
+
+def test_capacity_in_tokens_or_bytes(base):
+    by_tokens = LLM(base, kv_cache_tokens=640, block_size=16).engine
+    per_token = by_tokens.kv_bytes_per_token
+    by_bytes = LLM(base, kv_cache_bytes=640 * per_token, block_size=16).engine
+    assert len(by_tokens.blocks.blocks) == len(by_bytes.blocks.blocks) == 40
+    assert by_bytes.kv_cache.numel() * by_bytes.kv_cache.element_size() == 640 * per_token
+    with pytest.raises(KvshareError, match="KV blocks"):
+        by_tokens.add_request(list(range(5, 600)), SamplingParams(max_tokens=100))
