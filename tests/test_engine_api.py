@@ -139,4 +139,4 @@ def test_capacity_in_tokens_or_bytes(base):
     assert len(by_tokens.blocks.blocks) == len(by_bytes.blocks.blocks) == 40
     assert by_bytes.kv_cache.numel() * by_bytes.kv_cache.element_size() == 640 * per_token
     with pytest.raises(KvshareError, match="KV blocks"):
-        by_tokens.add_request(list(range(5, 600)), SamplingParams(max_tokens=100))
+        by_tokens.add_request(list(range(5, 400)), SamplingParams(max_tokens=100))
