@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench_engine)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
-                       description="Pull SmolLM2-135M-Instruct if needed, load it through "
-                       "kvshare's loader and answer a prompt greedily.")
+                       description="Pull SmolLM2-135M-Instruct if needed and answer a prompt "
+                       "greedily through kvshare's serving engine.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="zoo name or local folder")
     p.add_argument("--prompt", default="In one sentence: why do agents that share a context "
                    "benefit from sharing one KV cache?")
