@@ -117,6 +117,16 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .serve.server import serve
+    except ImportError as err:
+        raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
+    serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=args.api_key,
+          max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -185,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PNG", help="image to write")
     p.add_argument("--label", action="append", help="legend label per run (default: run name)")
     p.set_defaults(func=_cmd_plot_loss)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server for a base and its adapters",
+                       description="Serve the base and exported adapters over an OpenAI-compatible "
+                       "HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
+                       "/metrics). The request's model field picks the base or an adapter.")
+    p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="zoo name or local model folder")
+    p.add_argument("--adapter", action="append", metavar="DIR", help="exported adapter folder (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
+    p.add_argument("--kv-cache-tokens", type=int, help="KV pool capacity in tokens")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures and ratios",
                            description="Benchmarks measured side by side in one run.")

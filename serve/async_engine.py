@@ -1,0 +1,102 @@
+"""The engine on its own thread, driven from asyncio: what the HTTP server talks to.
+
+The engine is single-threaded by design (one forward at a time over one KV pool), so every
+call into it - add, abort, step - happens on one background thread; coroutines send it
+commands and receive each request's outputs on their own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import AsyncIterator
+
+from ..errors import KvshareError
+from .engine import LLMEngine, RequestOutput
+from .sampling import SamplingParams
+
+
+class Overloaded(Exception):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
+        self._thread.start()
+
+    # engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                self._apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+
+    def _apply(self, command: tuple) -> None:
+        kind, request_id, *rest = command
+        if kind == "abort":
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+            return
+        prompt, params, adapter, loop, stream = rest
+        self._streams[request_id] = (loop, stream)
+        try:
+            self.engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
+        except KvshareError as err:
+            self._deliver(request_id, err)
+            self._streams.pop(request_id, None)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    # asyncio side ----------------------------------------------------------------------------
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
+        if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.max_waiting:
+            raise Overloaded(f"{self.max_waiting} requests are already waiting")
+        request_id = f"cmpl-{next(self._ids)}"
+        stream: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", request_id, prompt, params, adapter, asyncio.get_running_loop(), stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # client disconnected or stopped reading: free its blocks
+                self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,300 @@
+"""OpenAI-compatible HTTP server over the engine: ``kvshare serve``.
+
+``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
+``/health`` and ``/metrics`` (Prometheus text). The request's ``model`` names the base or a
+loaded adapter. Errors use OpenAI's JSON shape: 400 invalid or oversize input, 401 bad key,
+404 unknown model, 503 overloaded. With an aLoRA adapter, chat requests end with the
+adapter's invocation after the conversation, as the adapter was trained; completion prompts
+are taken as given (include the invocation to activate the adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import KvshareError
+from ..sharing import AdapterKind
+from .async_engine import AsyncEngine, Overloaded
+from .engine import LLMEngine, RequestOutput
+from .sampling import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+
+class CompletionRequest(_Lenient):
+    model: str
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(_Lenient):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
+                                                               "param": param, "code": status}})
+
+
+class _EngineCollector:
+    """Engine counters as Prometheus gauges, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        for key, value in self.engine.stats().items():
+            gauge = GaugeMetricFamily(f"kvshare_{key}", f"engine counter {key}")
+            gauge.add_metric([], float(value))
+            yield gauge
+
+
+def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | None = None,
+               max_waiting: int = 256) -> FastAPI:
+    runner = AsyncEngine(engine, max_waiting=max_waiting)
+    base_name = served_model_name or engine.model_name
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(engine))
+    buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+    histograms = {name: Histogram(f"kvshare_request_{name}_seconds", f"per-request {name}",
+                                  registry=registry, buckets=buckets)
+                  for name in ("queue_time", "time_to_first_token", "inter_token_latency", "e2e_time")}
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        runner.shutdown()
+
+    app = FastAPI(title="kvshare", version="1", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        return _error(err.status, err.message, err.kind, err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{where}: {first['msg']}", param=where or None)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(401, "invalid API key", kind="authentication_error")
+        return await call_next(request)
+
+    def resolve(model: str) -> str | None:
+        if model == base_name:
+            return None
+        if model in engine.adapters.by_name:
+            return model
+        raise ApiError(404, f"model {model!r} does not exist", kind="not_found_error", param="model")
+
+    def params_of(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
+                                  logprobs=logprobs)
+        except KvshareError as err:
+            raise ApiError(400, str(err)) from None
+
+    def check_prompt(tokens: list[int], max_tokens: int) -> None:
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(tokens) + max_tokens > engine.max_model_len:
+            raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"maximum context length {engine.max_model_len}", param="max_tokens")
+
+    def observe(out: RequestOutput) -> None:
+        for name, histogram in histograms.items():
+            value = out.metrics.get(name)
+            if value is not None:
+                histogram.observe(value)
+
+    async def run(prompt, params, adapter, body):
+        stream = runner.generate(prompt, params, adapter)
+        try:
+            first = await stream.__anext__()
+        except Overloaded as err:
+            raise ApiError(503, f"server overloaded: {err}", kind="server_error") from None
+        except KvshareError as err:
+            raise ApiError(400, str(err)) from None
+        return first, stream
+
+    async def collect(first: RequestOutput, stream) -> RequestOutput:
+        last = first
+        if not last.finished:
+            async for out in stream:
+                last = out
+        observe(last)
+        return last
+
+    def stream_events(first: RequestOutput, stream, chunk):
+        async def events():
+            sent, out = "", first
+            try:
+                yield f"data: {json.dumps(chunk(None, None, True))}\n\n"
+                while True:
+                    text = out.text
+                    if out.finished or not text.endswith("\ufffd"):  # hold back half a character
+                        delta = text[len(sent):] if text.startswith(sent) else ""
+                        sent = text if text.startswith(sent) else sent
+                        if delta or out.finished:
+                            yield f"data: {json.dumps(chunk(delta, out.finish_reason, False))}\n\n"
+                    if out.finished:
+                        observe(out)
+                        break
+                    out = await stream.__anext__()
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # a disconnect lands here: the request is aborted
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+
+    def logprob_block(out: RequestOutput) -> dict | None:
+        if not out.logprobs:
+            return None
+        tok = engine.tokenizer
+        return {"tokens": [tok.decode([e["token"]]) for e in out.logprobs],
+                "token_logprobs": [e["logprob"] for e in out.logprobs],
+                "top_logprobs": [{tok.decode([t]): v for t, v in e["top"].items()} for e in out.logprobs]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        data = [{"id": base_name, "object": "model", "created": now, "owned_by": "kvshare", "kind": "base"}]
+        for name, slot in engine.adapters.by_name.items():
+            adapter = engine.adapters.slots[slot]
+            data.append({"id": name, "object": "model", "created": now, "owned_by": "kvshare",
+                         "root": base_name, "parent": base_name, "kind": adapter.kind.value,
+                         "kv_sharing": adapter.manifest["kv_sharing"]["scope"]})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        adapter = resolve(req.model)
+        prompt = req.prompt if isinstance(req.prompt, list) else engine.tokenizer.encode(
+            req.prompt, add_special_tokens=False)
+        check_prompt(prompt, req.max_tokens)
+        params = params_of(req, req.max_tokens, req.logprobs)
+        first, stream = await run(prompt, params, adapter, req)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta, finish, opening):
+            if opening:
+                return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                        "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
+
+        if req.stream:
+            return stream_events(first, stream, chunk)
+        out = await collect(first, stream)
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason,
+                             "logprobs": logprob_block(out)}],
+                "usage": usage(out)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        adapter = resolve(req.model)
+        messages = [m.model_dump() for m in req.messages]
+        invocation = None
+        if adapter is not None and engine.adapters.get(adapter).kind is AdapterKind.ALORA:
+            invocation = engine.adapters.get(adapter).invocation
+        prompt = list(engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=invocation is None, tokenize=True, return_dict=True)["input_ids"])
+        prompt += invocation or []
+        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        check_prompt(prompt, max_tokens)
+        params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        first, stream = await run(prompt, params, adapter, req)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta, finish, opening):
+            body = {"role": "assistant", "content": ""} if opening else ({"content": delta} if delta else {})
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "delta": body, "finish_reason": None if opening else finish}]}
+
+        if req.stream:
+            return stream_events(first, stream, chunk)
+        out = await collect(first, stream)
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                  "finish_reason": out.finish_reason}
+        if req.logprobs:
+            tok = engine.tokenizer
+            choice["logprobs"] = {"content": [
+                {"token": tok.decode([e["token"]]), "logprob": e["logprob"],
+                 "top_logprobs": [{"token": tok.decode([t]), "logprob": v} for t, v in e["top"].items()]}
+                for e in out.logprobs]}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [choice], "usage": usage(out)}
+
+    return app
+
+
+def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_model_len: int | None = None,
+          kv_cache_tokens: int | None = None, dtype: str = "float32") -> None:
+    import uvicorn
+
+    engine = LLMEngine(model, adapters, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
+                       dtype=dtype)
+    app = create_app(engine, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level="info")

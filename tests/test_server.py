@@ -1,0 +1,143 @@
+"""The OpenAI-compatible server, exercised with the real `openai` client over loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvshare.serve import LLMEngine, SamplingParams
+from kvshare.serve.server import create_app
+
+from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(base, adapters):
+    engine = LLMEngine(base, [adapters["lora-a"], adapters["alora-a"], adapters["icarus-a"]],
+                       kv_cache_tokens=4096, block_size=8, max_model_len=256)
+    app = create_app(engine, api_key=KEY, served_model_name="tiny-base", max_waiting=8)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "engine": engine}
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_lists_base_and_adapters_with_their_sharing(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny-base", "lora-a", "alora-a", "icarus-a"}
+    assert models["icarus-a"].model_extra["kv_sharing"] == "all"
+    assert models["lora-a"].model_extra["kv_sharing"] == "none"
+
+
+def test_completion_matches_the_engine(client, server, tokenizer):
+    prompt = "What is 12 plus 30? Answer:"
+    out = client.completions.create(model="lora-a", prompt=prompt, max_tokens=12, temperature=0)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    direct = LLMEngine(server["engine"].model_dir, [server["engine"].adapters.get("lora-a").path],
+                       kv_cache_tokens=1024, block_size=8)
+    rid = direct.add_request(ids, SamplingParams(max_tokens=12), adapter="lora-a")
+    text = None
+    while direct.has_unfinished():
+        for o in direct.step():
+            if o.request_id == rid and o.finished:
+                text = o.text
+    assert out.choices[0].text == text
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens >= 1
+
+
+def test_chat_streamed_equals_not_streamed(client):
+    messages = [{"role": "user", "content": "Name a city."}]
+    whole = client.chat.completions.create(model="icarus-a", messages=messages, max_tokens=16,
+                                           temperature=0)
+    pieces = client.chat.completions.create(model="icarus-a", messages=messages, max_tokens=16,
+                                            temperature=0, stream=True)
+    chunks = list(pieces)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_with_alora_appends_its_invocation(client, server, tokenizer, invocation):
+    engine = server["engine"]
+    before = engine.counters["prompt_tokens"]
+    messages = [{"role": "user", "content": "Is 2 + 2 = 4?"}]
+    client.chat.completions.create(model="alora-a", messages=messages, max_tokens=4, temperature=0)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    assert engine.counters["prompt_tokens"] - before == len(rendered) + len(invocation)
+
+
+def test_errors_are_openai_shaped(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert "does not exist" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-base", prompt="hi " * 200, max_tokens=100)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-base", prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-base", messages=[], max_tokens=2)
+    bad_key = openai.OpenAI(base_url=server["url"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_overload_is_503(server, monkeypatch):
+    """With max_waiting (8) requests already queued, the next one is turned away."""
+    from collections import deque
+
+    monkeypatch.setattr(server["engine"].scheduler, "waiting", deque([None] * 8))
+    r = httpx.post(server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    engine = server["engine"]
+    with httpx.stream("POST", server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny-base", "prompt": "Paris is", "max_tokens": 200, "temperature": 0,
+                            "stream": True}, timeout=30) as response:
+        assert response.status_code == 200
+        for i, line in enumerate(response.iter_lines()):
+            if i > 6:
+                break  # hang up mid-stream
+    deadline = time.time() + 20
+    while engine.stats()["blocks_in_use"] or engine.has_unfinished():
+        assert time.time() < deadline, engine.stats()
+        time.sleep(0.05)
+    assert engine.counters["aborted"] >= 1
+
+
+def test_metrics_exposes_engine_counters_and_latency_histograms(client, server):
+    client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
+    text = httpx.get(server["url"] + "/metrics").text
+    assert "kvshare_prefix_hit_rate" in text and "kvshare_blocks_in_use" in text
+    assert "kvshare_request_time_to_first_token_seconds_bucket" in text
