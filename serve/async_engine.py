@@ -59,10 +59,10 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
             return
-        prompt, params, adapter, loop, stream = rest
+        prompt, params, adapter, hints, loop, stream = rest
         self._streams[request_id] = (loop, stream)
         try:
-            self.engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
+            self.engine.add_request(prompt, params, adapter=adapter, request_id=request_id, hints=hints)
         except KvshareError as err:
             self._deliver(request_id, err)
             self._streams.pop(request_id, None)
@@ -74,14 +74,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
     # asyncio side ----------------------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams,
-                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
+                       hints: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
         if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt, params, adapter, asyncio.get_running_loop(), stream))
+        self._commands.put(("add", request_id, prompt, params, adapter, hints, asyncio.get_running_loop(), stream))
         finished = False
         try:
             while True:

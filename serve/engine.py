@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class LLMEngine:
         for path in adapters:
             self.adapters.load(path)
         self.sequences: dict[str, Sequence] = {}
+        self.hints_log: deque[tuple[str, dict]] = deque(maxlen=1024)  # recent requests' hints
         self._ids = itertools.count()
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0}
@@ -87,7 +89,10 @@ class LLMEngine:
 
     # requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
+                    adapter: str | None = None, request_id: str | None = None,
+                    hints: dict | None = None) -> str:
+        """Queue a request. ``hints`` (e.g. which agents run next) are recorded with it for
+        cache policies that look ahead; the current LRU policy does not use them."""
         params = params or SamplingParams()
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not tokens:
@@ -101,7 +106,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, tokens, params)
+        seq = Sequence(request_id, tokens, params, hints=dict(hints or {}))
+        self.hints_log.append((request_id, seq.hints))
         if adapter is not None:
             loaded = self.adapters.get(adapter)
             seq.adapter, seq.kind, seq.adapter_slot = adapter, loaded.kind, self.adapters.get_slot(adapter)

@@ -41,6 +41,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     generator: torch.Generator | None = None
+    hints: dict = field(default_factory=dict)  # workflow hints, e.g. {"next_agents": [...]}
 
     @property
     def tokens(self) -> list[int]:

@@ -52,6 +52,7 @@ class CompletionRequest(_Lenient):
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
+    kvshare_hints: dict | None = None  # workflow hints, e.g. {"next_agents": ["critic"]}
 
 
 class ChatMessage(_Lenient):
@@ -72,6 +73,7 @@ class ChatRequest(_Lenient):
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    kvshare_hints: dict | None = None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -157,7 +159,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                 histogram.observe(value)
 
     async def run(prompt, params, adapter, body):
-        stream = runner.generate(prompt, params, adapter)
+        stream = runner.generate(prompt, params, adapter, body.kvshare_hints)
         try:
             first = await stream.__anext__()
         except Overloaded as err:
@@ -197,7 +199,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     def usage(out: RequestOutput) -> dict:
         return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
+                "prompt_tokens_details": {"cached_tokens": out.metrics["prompt_tokens_cached"]}}
 
     def logprob_block(out: RequestOutput) -> dict | None:
         if not out.logprobs:

@@ -1,0 +1,188 @@
+"""Agent workflows over one shared context: ReAct, Reflexion and MapReduce.
+
+Agents are (name, adapter, role prompt). A workflow keeps its conversation as token ids, so
+every agent's prompt starts with exactly the tokens the previous calls saw: with ICaRus
+adapters that prefix is one shared KV cache; with conventional LoRA each agent needs its
+own. Tools are simulated (a fixed delay and a fixed-length observation cut from the task's
+own text). Calls go to the in-process engine or to a kvshare server; each carries a hint
+naming the agents expected next, which the engine records for look-ahead cache policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+from .async_engine import AsyncEngine
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    adapter: str | None  # None = the base model
+    role: str  # role prompt, e.g. "You check facts."
+    invocation: tuple[int, ...] = ()  # aLoRA: token ids that switch the adapter on
+
+
+@dataclass
+class CallRecord:
+    workflow: int
+    agent: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    start: float
+    first_token: float
+    end: float
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.start
+
+
+@dataclass(frozen=True)
+class SimulatedTool:
+    delay_s: float = 0.0
+    observation_tokens: int = 32
+
+    def observe(self, source: list[int], step: int) -> list[int]:
+        """A fixed-length slice of the task text, different for every step."""
+        if not source:
+            return []
+        start = (step * self.observation_tokens) % len(source)
+        return (source[start:] + source)[: self.observation_tokens]
+
+
+class RoundRobin:
+    def __init__(self, agents: list[Agent]):
+        self.agents = agents
+
+    def pick(self, turn: int) -> Agent:
+        return self.agents[turn % len(self.agents)]
+
+
+class Skewed:
+    """One agent takes half the turns, the others share the rest at random (seeded)."""
+
+    def __init__(self, agents: list[Agent], seed: int = 0):
+        rng = random.Random(seed)
+        self.agents = agents
+        self._plan: list[Agent] = []
+        self._rng = rng
+
+    def pick(self, turn: int) -> Agent:
+        while len(self._plan) <= turn:
+            others = self.agents[1:] or self.agents
+            self._plan.append(self.agents[0] if self._rng.random() < 0.5 else self._rng.choice(others))
+        return self._plan[turn]
+
+
+class EngineBackend:
+    """Calls the in-process engine (through its asyncio runner)."""
+
+    def __init__(self, runner: AsyncEngine):
+        self.runner = runner
+        self.tokenizer = runner.engine.tokenizer
+
+    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
+                       hints: dict) -> tuple[list[int], int, float]:
+        """Return (completion ids, prompt tokens served from cache, time of first token)."""
+        first = None
+        out = None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for out in self.runner.generate(prompt, params, adapter, hints):
+            first = first or time.perf_counter()
+        return list(out.token_ids), out.metrics["prompt_tokens_cached"], first
+
+
+class ServerBackend:
+    """Calls a kvshare server through the OpenAI client (token-id prompts, streamed)."""
+
+    def __init__(self, base_url: str, api_key: str, base_model: str, tokenizer):
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        self.base_model = base_model
+        self.tokenizer = tokenizer
+
+    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
+                       hints: dict) -> tuple[list[int], int, float]:
+        first, text, cached = None, "", 0
+        stream = await self.client.completions.create(
+            model=adapter or self.base_model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"kvshare_hints": hints})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].text
+        first = first or time.perf_counter()
+        return self.tokenizer.encode(text, add_special_tokens=False), cached, first
+
+
+@dataclass
+class Workflow:
+    """One task run by a team of agents; ``history`` is the shared conversation in tokens."""
+
+    index: int
+    backend: object
+    context: list[int]
+    max_tokens: int = 16
+    tool: SimulatedTool = field(default_factory=SimulatedTool)
+    records: list[CallRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.history = list(self.context)
+        self._tok = self.backend.tokenizer
+
+    def _header(self, agent: Agent, text: str = "") -> list[int]:
+        if agent.invocation:
+            return list(agent.invocation)
+        return self._tok.encode(f"\n[{agent.name}] {agent.role}{text}\n", add_special_tokens=False)
+
+    async def call(self, agent: Agent, prompt: list[int], next_agents: list[str]) -> list[int]:
+        start = time.perf_counter()
+        ids, cached, first = await self.backend.complete(prompt, agent.adapter, self.max_tokens,
+                                                         {"next_agents": next_agents, "workflow": self.index})
+        self.records.append(CallRecord(self.index, agent.name, len(prompt), cached, len(ids), start,
+                                       first, time.perf_counter()))
+        return ids
+
+    async def observe(self, step: int) -> None:
+        if self.tool.delay_s:
+            await asyncio.sleep(self.tool.delay_s)
+        self.history += self._tok.encode("\nObservation: ", add_special_tokens=False)
+        self.history += self.tool.observe(self.context, step)
+
+    async def react(self, order, turns: int) -> None:
+        """Thought -> action (tool) -> observation, one agent per turn, all on one history."""
+        for turn in range(turns):
+            agent = order.pick(turn)
+            prompt = self.history + self._header(agent)
+            thought = await self.call(agent, prompt, [order.pick(turn + 1).name])
+            self.history = prompt + thought
+            await self.observe(turn)
+
+    async def reflexion(self, actor: Agent, critic: Agent, rounds: int) -> None:
+        """The actor tries, the critic reflects, the actor tries again with the reflection."""
+        for step in range(rounds):
+            prompt = self.history + self._header(actor)
+            self.history = prompt + await self.call(actor, prompt, [critic.name])
+            await self.observe(step)
+            prompt = self.history + self._header(critic)
+            self.history = prompt + await self.call(critic, prompt, [actor.name])
+
+    async def mapreduce(self, mappers: list[Agent], reducer: Agent) -> None:
+        """Every mapper answers from the shared context at once; the reducer reads them all."""
+        prompts = [self.history + self._header(m) for m in mappers]
+        outputs = await asyncio.gather(*(self.call(m, p, [reducer.name]) for m, p in zip(mappers, prompts)))
+        for mapper, out in zip(mappers, outputs):
+            self.history += self._header(mapper) + out
+        prompt = self.history + self._header(reducer)
+        self.history = prompt + await self.call(reducer, prompt, [])

@@ -1,0 +1,81 @@
+"""Workflow runtime: ReAct, Reflexion, MapReduce over the engine and over the server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvshare.serve import LLMEngine
+from kvshare.serve.async_engine import AsyncEngine
+from kvshare.serve.workflow import (Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool,
+                                    Skewed, Workflow)
+
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+from test_server import KEY, server  # noqa: F401
+
+
+@pytest.fixture
+def runner(base, adapters):
+    engine = LLMEngine(base, [adapters["icarus-a"], adapters["icarus-b"], adapters["lora-a"],
+                              adapters["lora-b"], adapters["alora-a"]], kv_cache_tokens=8192, block_size=8)
+    r = AsyncEngine(engine)
+    yield r
+    r.shutdown()
+
+
+def context_ids(tokenizer) -> list[int]:
+    return [t for p in prompts_for(tokenizer, 3) for t in p] * 2
+
+
+def test_skewed_order_gives_the_first_agent_about_half_the_turns():
+    agents = [Agent(f"a{i}", None, "r") for i in range(4)]
+    order = Skewed(agents, seed=1)
+    picks = [order.pick(t).name for t in range(400)]
+    assert 0.4 < picks.count("a0") / 400 < 0.6
+    assert {"a1", "a2", "a3"} <= set(picks)
+    assert RoundRobin(agents).pick(5).name == "a1"
+
+
+def test_react_with_icarus_agents_reuses_the_shared_history(runner, tokenizer):
+    agents = [Agent("planner", "icarus-a", "You plan."), Agent("checker", "icarus-b", "You check.")]
+    flow = Workflow(0, EngineBackend(runner), context_ids(tokenizer), max_tokens=6,
+                    tool=SimulatedTool(delay_s=0.01, observation_tokens=8))
+    asyncio.run(flow.react(RoundRobin(agents), turns=4))
+    assert [r.agent for r in flow.records] == ["planner", "checker", "planner", "checker"]
+    # from the second turn on, every full block the previous agent computed (its prompt and
+    # its generated tokens, but the last one) is served from the cache
+    for before, record in zip(flow.records, flow.records[1:]):
+        assert record.cached_tokens == (before.prompt_tokens + before.completion_tokens - 1) // 8 * 8
+    hints = [h for _, h in runner.engine.hints_log]
+    assert hints[0]["next_agents"] == ["checker"]
+
+
+def test_react_with_lora_agents_cannot_share(runner, tokenizer):
+    agents = [Agent("planner", "lora-a", "You plan."), Agent("checker", "lora-b", "You check.")]
+    flow = Workflow(0, EngineBackend(runner), context_ids(tokenizer), max_tokens=6)
+    asyncio.run(flow.react(RoundRobin(agents), turns=2))
+    assert all(r.cached_tokens == 0 for r in flow.records)
+
+
+def test_reflexion_and_mapreduce_run(runner, tokenizer, invocation):
+    actor, critic = Agent("actor", "icarus-a", "Answer."), Agent("critic", "alora-a", "", tuple(invocation))
+    flow = Workflow(1, EngineBackend(runner), context_ids(tokenizer), max_tokens=4)
+    asyncio.run(flow.reflexion(actor, critic, rounds=2))
+    assert [r.agent for r in flow.records] == ["actor", "critic"] * 2
+    mappers = [Agent(f"m{i}", "icarus-a" if i % 2 else "icarus-b", f"Part {i}.") for i in range(3)]
+    flow = Workflow(2, EngineBackend(runner), context_ids(tokenizer), max_tokens=4)
+    asyncio.run(flow.mapreduce(mappers, Agent("reducer", None, "Combine.")))
+    assert sorted(r.agent for r in flow.records[:3]) == ["m0", "m1", "m2"]
+    assert flow.records[-1].agent == "reducer" and flow.records[-1].cached_tokens > 0
+
+
+def test_react_against_the_server(server, tokenizer):
+    backend = ServerBackend(server["url"] + "/v1", KEY, "tiny-base", tokenizer)
+    agents = [Agent("planner", "icarus-a", "You plan."), Agent("base", None, "You summarise.")]
+    flow = Workflow(3, backend, context_ids(tokenizer)[:40], max_tokens=5)
+    asyncio.run(flow.react(RoundRobin(agents), turns=2))
+    assert [r.agent for r in flow.records] == ["planner", "base"]
+    assert all(r.completion_tokens > 0 and r.latency >= r.ttft >= 0 for r in flow.records)
+    assert any(h.get("workflow") == 3 for _, h in server["engine"].hints_log)
