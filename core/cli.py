@@ -127,6 +127,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_workflow(args: argparse.Namespace) -> int:
+    from .serve.bench_workflow import markdown, run_workflow_bench
+
+    results = run_workflow_bench(
+        model=args.model, agents=tuple(args.agents), qps=tuple(args.qps), modes=tuple(args.modes),
+        workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
+        max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
+        kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -224,6 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--out", metavar="DIR", help="write engine_bench.json and engine_bench.md here")
     p.set_defaults(func=_cmd_bench_engine)
+
+    p = bsub.add_parser("workflow", help="multi-agent ReAct on HotpotQA: icarus vs alora vs lora vs hf",
+                        description="N agents (each its own random adapter) take ReAct turns over "
+                        "HotpotQA contexts; workflows arrive at each QPS; reports P50/P95 latency, "
+                        "throughput, TTFT, hit rate, peak KV blocks as JSON, markdown and PNG plots.")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
+    p.add_argument("--modes", nargs="+", default=["icarus", "alora", "lora", "hf"],
+                   choices=["icarus", "alora", "lora", "hf"])
+    p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
+    p.add_argument("--turns", type=int, default=4, help="ReAct turns per workflow")
+    p.add_argument("--context-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per agent turn")
+    p.add_argument("--tool-delay", type=float, default=0.0, help="simulated tool latency, seconds")
+    p.add_argument("--observation-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: 8 workflow contexts)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", metavar="DIR", help="write workflow_bench.{json,md} and PNG plots here")
+    p.set_defaults(func=_cmd_bench_workflow)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
                        description="Pull SmolLM2-135M-Instruct if needed and answer a prompt "

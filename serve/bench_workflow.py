@@ -1,0 +1,231 @@
+"""``kvshare bench workflow``: multi-agent ReAct on HotpotQA, ICaRus vs aLoRA vs LoRA vs HF.
+
+Each workflow is one HotpotQA question with its paragraphs as the shared context, run by N
+agents (each its own adapter) taking ReAct turns round-robin. Workflows arrive as a Poisson
+process at the given rate (a fixed number per point); every LLM call's latency, time to first
+token, tokens and cache hits are recorded. Modes:
+- ``icarus``: N ICaRus adapters, one shared cache (prefix reuse across agents);
+- ``alora``: N aLoRA adapters, each turn ends with the agent's invocation;
+- ``lora``: N conventional adapters with per-adapter prefix caching (what vLLM/SGLang do);
+- ``hf``: transformers + PEFT, every call recomputed from scratch, one call at a time.
+The KV pool is sized (``--kv-cache-tokens``, default 8 contexts) so conventional LoRA must
+evict at the higher loads. Adapters are random: speed does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..export import export_adapter
+from ..models import resolve_model_dir
+from ..splits import require_data_dir
+from ..testing import ICARUS_TARGETS, make_peft_adapter
+from .async_engine import AsyncEngine
+from .engine import LLMEngine
+from .workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
+
+KIND_TARGETS = {"icarus": ICARUS_TARGETS, "alora": ("q_proj", "k_proj", "v_proj"),
+                "lora": ICARUS_TARGETS + ("k_proj", "v_proj"), "hf": ICARUS_TARGETS + ("k_proj", "v_proj")}
+
+
+def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int]]:
+    """Question + paragraphs of the first ``count`` HotpotQA questions, cut to a token budget."""
+    path = require_data_dir() / "hotpotqa" / "dev_hard_500.jsonl"
+    contexts = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            paragraphs = "\n".join(f"{title}: {''.join(sents)}" for title, sents in row["context"])
+            ids = tokenizer.encode(f"Question: {row['question']}\n{paragraphs}", add_special_tokens=False)
+            contexts.append(ids[:context_tokens])
+            if len(contexts) == count:
+                break
+    return contexts
+
+
+def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> tuple[list[Agent], list[Path]]:
+    agents, paths = [], []
+    for i in range(n):
+        invocation = None
+        if kind == "alora":
+            invocation = tokenizer.encode(f"<|im_start|>agent{i}<|im_end|>", add_special_tokens=False)
+        ckpt = make_peft_adapter(model_dir, folder / f"{kind}-{i}-ckpt", target_modules=KIND_TARGETS[kind],
+                                 rank=8, seed=i, invocation_tokens=invocation)
+        path = export_adapter(ckpt, kind="lora" if kind == "hf" else kind, base=model_dir,
+                              out=folder / f"{kind}-{i}", name=f"{kind}-{i}",
+                              invocation=f"<|im_start|>agent{i}<|im_end|>" if invocation else None)
+        agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
+        paths.append(path)
+    return agents, paths
+
+
+class HFBackend:
+    """transformers + PEFT: every call recomputes its whole prompt; one call at a time."""
+
+    def __init__(self, model_dir: Path, adapter_paths: list[Path], tokenizer):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        self.model = PeftModel.from_pretrained(base, str(adapter_paths[0]), adapter_name="hf-0")
+        for i, path in enumerate(adapter_paths[1:], start=1):
+            self.model.load_adapter(str(path), adapter_name=f"hf-{i}")
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def _generate(self, prompt, adapter, max_tokens):
+        with self.lock:
+            self.model.set_adapter(adapter)
+            ids = torch.tensor([prompt])
+            start = time.perf_counter()
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            self.calls += 1
+            return out[0, len(prompt):].tolist(), start
+
+    async def complete(self, prompt, adapter, max_tokens, hints):
+        ids, _ = await asyncio.get_running_loop().run_in_executor(None, self._generate, prompt, adapter, max_tokens)
+        # generate() gives no first-token time: report the whole call (an upper bound)
+        return ids, 0, time.perf_counter()
+
+
+async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, seed, engine=None):
+    rng = random.Random(seed)
+    peak = [0]
+    stop = asyncio.Event()
+
+    async def watch():
+        while not stop.is_set():
+            if engine is not None:  # blocks held by running requests (cached idle ones excluded)
+                peak[0] = max(peak[0], sum(1 for b in engine.blocks.blocks if b.ref_count > 0))
+            await asyncio.sleep(0.02)
+
+    async def one(index, context, delay):
+        await asyncio.sleep(delay)
+        flow = Workflow(index, backend, context, max_tokens=max_tokens, tool=tool)
+        await flow.react(RoundRobin(agents), turns)
+        return flow
+
+    watcher = asyncio.create_task(watch())
+    delays, t = [], 0.0
+    for _ in contexts:
+        delays.append(t)
+        t += rng.expovariate(qps)
+    start = time.perf_counter()
+    flows = await asyncio.gather(*(one(i, c, d) for i, (c, d) in enumerate(zip(contexts, delays))))
+    makespan = time.perf_counter() - start
+    stop.set()
+    await watcher
+    return flows, makespan, peak[0]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+
+def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, ...] = (2, 4, 8),
+                       qps: tuple[float, ...] = (0.25, 0.5, 1.0), modes: tuple[str, ...] = ("icarus", "alora", "lora", "hf"),
+                       workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
+                       tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
+                       dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None) -> dict:
+    torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(model)
+    kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
+    points = []
+    tool = SimulatedTool(tool_delay, observation_tokens)
+    bar = tqdm(total=len(modes) * len(agents) * len(qps), desc="bench workflow", unit="point")
+    with tempfile.TemporaryDirectory(prefix="kvshare-wf-") as tmp:
+        for mode in modes:
+            for n in agents:
+                engine = LLMEngine(model_dir, kv_cache_tokens=kv_cache_tokens, dtype=dtype, max_num_batched_tokens=1024)
+                contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
+                team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
+                runner = None
+                if mode == "hf":
+                    backend = HFBackend(model_dir, paths, engine.tokenizer)
+                else:
+                    for path in paths:
+                        engine.load_adapter(path)
+                    runner = AsyncEngine(engine, max_waiting=10_000)
+                    backend = EngineBackend(runner)
+                for rate in qps:
+                    if runner is not None:
+                        engine.blocks.reset()
+                        engine.blocks.stats.update(hit_tokens=0, queried_tokens=0, evictions=0)
+                    flows, makespan, peak = asyncio.run(_run_point(
+                        backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
+                        engine=engine if runner else None))
+                    calls = [r for f in flows for r in f.records]
+                    stats = engine.stats() if runner else {}
+                    points.append({
+                        "mode": mode, "agents": n, "qps": rate, "workflows": len(flows), "calls": len(calls),
+                        "p50_latency_s": _percentile([c.latency for c in calls], 0.5),
+                        "p95_latency_s": _percentile([c.latency for c in calls], 0.95),
+                        "mean_ttft_s": sum(c.ttft for c in calls) / len(calls),
+                        "p95_ttft_s": _percentile([c.ttft for c in calls], 0.95),
+                        "tokens_per_s": sum(c.completion_tokens for c in calls) / makespan,
+                        "workflows_per_s": len(flows) / makespan,
+                        "makespan_s": makespan,
+                        "hit_rate": stats.get("prefix_hit_rate"),
+                        "evictions": stats.get("evictions"),
+                        "peak_kv_blocks": peak if runner else None,
+                    })
+                    bar.update()
+                if runner is not None:
+                    runner.shutdown()
+    bar.close()
+    results = {"model": str(model), "dtype": dtype, "threads": threads, "workflows_per_point": workflows,
+               "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
+               "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
+               "kv_cache_tokens": kv_cache_tokens, "adapters": "random (rank 8); speed does not depend on values",
+               "points": points}
+    if out_dir:
+        write_report(results, Path(out_dir))
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = ["| mode | agents | QPS | P50 s | P95 s | TTFT s (mean) | tok/s | workflows/s | hit rate | evictions | peak KV blocks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        hit = f"{p['hit_rate']:.2f}" if p["hit_rate"] is not None else "-"
+        lines.append(f"| {p['mode']} | {p['agents']} | {p['qps']} | {p['p50_latency_s']:.2f} | {p['p95_latency_s']:.2f} | "
+                     f"{p['mean_ttft_s']:.2f} | {p['tokens_per_s']:.1f} | {p['workflows_per_s']:.3f} | {hit} | "
+                     f"{p['evictions'] if p['evictions'] is not None else '-'} | {p['peak_kv_blocks'] or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "workflow_bench.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "workflow_bench.md").write_text(markdown(results))
+    for metric, label, name in (("p95_latency_s", "P95 call latency (s)", "p95_vs_qps.png"),
+                                ("tokens_per_s", "throughput (generated tokens/s)", "throughput_vs_qps.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        series = sorted({(p["mode"], p["agents"]) for p in results["points"]})
+        for mode, n in series:
+            pts = sorted((p["qps"], p[metric]) for p in results["points"] if p["mode"] == mode and p["agents"] == n)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{mode}, {n} agents")
+        ax.set_xlabel("workflow arrival rate (workflows/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
