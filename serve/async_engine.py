@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import AsyncIterator
@@ -16,6 +17,9 @@ from typing import AsyncIterator
 from ..errors import KvshareError
 from .engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
+
+
+logger = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -48,7 +52,16 @@ class AsyncEngine:
                 except queue.Empty:
                     command = None
             if self.engine.has_unfinished():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:  # a bug, not a user error: fail the batch, keep serving
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    for request_id in list(self._streams):
+                        self.engine.abort(request_id)
+                        self._deliver(request_id, RuntimeError(f"engine failure: {err}"))
+                    self._streams.clear()
+                    continue
+                for out in outputs:
                     self._deliver(out.request_id, out)
                     if out.finished:
                         self._streams.pop(out.request_id, None)

@@ -37,11 +37,33 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
+class _OpenAIRequest(BaseModel):
+    """Unknown fields are refused (as OpenAI does); OpenAI's own optional fields are accepted
+    and ignored when they are at their neutral values."""
+
+    model_config = ConfigDict(extra="forbid")
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict | None = None
+    stream_options: dict | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def check_neutral(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name} is not supported", param=name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+    model_config = ConfigDict(extra="ignore")
 
 
-class CompletionRequest(_Lenient):
+class CompletionRequest(_OpenAIRequest):
     model: str
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
@@ -60,7 +82,7 @@ class ChatMessage(_Lenient):
     content: str
 
 
-class ChatRequest(_Lenient):
+class ChatRequest(_OpenAIRequest):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -136,6 +158,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         raise ApiError(404, f"model {model!r} does not exist", kind="not_found_error", param="model")
 
     def params_of(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        req.check_neutral()
         if req.n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
         try:
@@ -166,6 +189,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             raise ApiError(503, f"server overloaded: {err}", kind="server_error") from None
         except KvshareError as err:
             raise ApiError(400, str(err)) from None
+        except RuntimeError as err:
+            raise ApiError(500, str(err), kind="server_error") from None
         return first, stream
 
     async def collect(first: RequestOutput, stream) -> RequestOutput:

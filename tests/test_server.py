@@ -110,13 +110,13 @@ def test_errors_are_openai_shaped(client, server):
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
 
 
-def test_overload_is_503(server, monkeypatch):
-    """With max_waiting (8) requests already queued, the next one is turned away."""
-    from collections import deque
+def test_overload_is_503(server):
+    """A server whose waiting queue is full turns new requests away with 503."""
+    from fastapi.testclient import TestClient
 
-    monkeypatch.setattr(server["engine"].scheduler, "waiting", deque([None] * 8))
-    r = httpx.post(server["url"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    app = create_app(server["engine"], served_model_name="tiny-base", max_waiting=0)
+    with TestClient(app) as local:
+        r = local.post("/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
@@ -141,3 +141,22 @@ def test_metrics_exposes_engine_counters_and_latency_histograms(client, server):
     text = httpx.get(server["url"] + "/metrics").text
     assert "kvshare_prefix_hit_rate" in text and "kvshare_blocks_in_use" in text
     assert "kvshare_request_time_to_first_token_seconds_bucket" in text
+
+
+def test_an_engine_failure_fails_the_request_not_the_server(client, server, monkeypatch):
+    engine = server["engine"]
+    real_forward = engine.model.forward
+    calls = {"n": 0}
+
+    def broken_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel fault")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", broken_once)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
+    out = client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    assert engine.stats()["blocks_in_use"] == 0

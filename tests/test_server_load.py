@@ -1,0 +1,109 @@
+"""Load and faults against a real `kvshare serve` process on loopback (bounded in count and time)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from test_engine import adapters, base, invocation, tokenizer  # noqa: F401
+from test_server import free_port
+
+KEY = "load-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server_url(base, adapters):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare", "serve", "--model", str(base), "--adapter", str(adapters["icarus-a"]),
+         "--port", str(port), "--api-key", KEY, "--kv-cache-tokens", "4096", "--max-model-len", "256"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline, "server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(rf"^kvshare_{name} (\S+)$", text, re.M).group(1))
+
+
+def wait_idle(url: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while gauge(url, "blocks_in_use") or gauge(url, "running") or gauge(url, "waiting"):
+        assert time.time() < deadline, "the pool did not return to idle"
+        time.sleep(0.1)
+
+
+def test_200_concurrent_streaming_clients(server_url):
+    async def one(client: httpx.AsyncClient, i: int) -> bool:
+        body = {"model": "icarus-a" if i % 2 else str_base(server_url), "prompt": f"Item {i} is",
+                "max_tokens": 4, "temperature": 0, "stream": True}
+        async with client.stream("POST", server_url + "/v1/completions", json=body, headers=AUTH) as r:
+            if r.status_code != 200:
+                return False
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert sum(1 for ok in results if not ok) == 0
+    wait_idle(server_url)
+    assert gauge(server_url, "finished") >= 200
+
+
+def str_base(url: str) -> str:
+    return httpx.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("body,status", [
+    ('{"model": "x", "prompt": ', 400),  # malformed JSON
+    ({"prompt": "hi", "max_tokens": "many"}, 400),  # wrong type
+    ({"prompt": "hi", "max_tokens": 2, "temperature_typo": 1}, 400),  # unknown field
+    ({"prompt": "hi", "max_tokens": 10**9}, 400),  # absurd max_tokens
+    ({"prompt": "word " * 400, "max_tokens": 2}, 400),  # prompt over the limit
+    ({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 1.5}, 400),  # unsupported option
+    ({"model": "nobody", "prompt": "hi", "max_tokens": 2}, 404),
+])
+def test_bad_requests_are_4xx_and_the_server_keeps_serving(server_url, body, status):
+    if isinstance(body, dict):
+        body = json.dumps({"model": str_base(server_url), **body})
+    r = httpx.post(server_url + "/v1/completions", content=body, timeout=30,
+                   headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == status and "error" in r.json()
+    ok = httpx.post(server_url + "/v1/completions", headers=AUTH, timeout=30,
+                    json={"model": str_base(server_url), "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_abrupt_disconnects_free_their_blocks(server_url):
+    for i in range(20):
+        with httpx.stream("POST", server_url + "/v1/completions", headers=AUTH, timeout=30,
+                          json={"model": "icarus-a", "prompt": f"Story {i}:", "max_tokens": 150,
+                                "temperature": 0, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 3:
+                    break
+    wait_idle(server_url)
