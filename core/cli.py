@@ -139,6 +139,15 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_alora(args: argparse.Namespace) -> int:
+    from .serve.bench_alora import markdown, run_alora_bench
+
+    results = run_alora_bench(model=args.model, lengths=tuple(args.lengths), evaluators=args.evaluators,
+                              new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -257,6 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", metavar="DIR", help="write workflow_bench.{json,md} and PNG plots here")
     p.set_defaults(func=_cmd_bench_workflow)
+
+    p = bsub.add_parser("alora", help="aLoRA pipeline vs LoRA by prompt length",
+                        description="Base answers, an adapter evaluates (16 tokens), the base "
+                        "continues; aLoRA vs conventional LoRA evaluators over prompt lengths, plus "
+                        "several evaluators in parallel. JSON and markdown.")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 7680])
+    p.add_argument("--evaluators", type=int, default=5, help="adapters evaluating in parallel")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", metavar="DIR", help="write alora_bench.json and alora_bench.md here")
+    p.set_defaults(func=_cmd_bench_alora)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
                        description="Pull SmolLM2-135M-Instruct if needed and answer a prompt "

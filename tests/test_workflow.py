@@ -94,3 +94,15 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
     assert by_mode["icarus"]["hit_rate"] > by_mode["lora"]["hit_rate"]
     for name in ("workflow_bench.json", "workflow_bench.md", "p95_vs_qps.png", "throughput_vs_qps.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_alora_benchmark_runs_and_alora_evaluators_reuse_the_base_kv(tiny_models, tmp_path):
+    from kvshare.serve.bench_alora import run_alora_bench
+
+    results = run_alora_bench(model=str(tiny_models("llama")), lengths=(64, 128), evaluators=2,
+                              new_tokens=4, out_dir=tmp_path)
+    rows = {(r["mode"], r["prompt_tokens"]): r for r in results["rows"]}
+    for length in (64, 128):
+        assert rows[("alora", length)]["eval_hit_rate"] > 0.8  # x + y came from the base's cache
+        assert rows[("lora", length)]["eval_hit_rate"] == 0.0
+    assert (tmp_path / "alora_bench.md").read_text().startswith("| prompt tokens |")

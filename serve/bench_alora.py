@@ -1,0 +1,116 @@
+"""``kvshare bench alora``: the aLoRA pipeline against conventional LoRA, by prompt length.
+
+Pipeline per prompt: the base answers a prompt x (16 tokens, y); an adapter evaluates
+x + y (+ its invocation) with 16 tokens (z); the base continues after x + y + z. An aLoRA
+evaluator reuses the base's KV for x + y; a conventional LoRA evaluator must prefill all of
+it. Also the variant where 5 adapters evaluate x + y in parallel. Reports the evaluation
+step's time to first token, prefill (= TTFT), decode, end-to-end and hit rate, and the whole
+pipeline's time, as JSON and a markdown table. Adapters are random.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..export import export_adapter
+from ..models import resolve_model_dir
+from ..testing import make_peft_adapter
+from .bench import TEXT
+from .engine import LLMEngine
+from .sampling import SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj")
+
+
+def _run(engine: LLMEngine, requests: list[tuple[list[int], str | None]], max_tokens: int):
+    """Submit requests together, step to the end; return outputs in order and the wall time."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params, adapter=a) for p, a in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start
+
+
+def run_alora_bench(model: str = "smollm2-135m-instruct", lengths: tuple[int, ...] = (256, 1024, 2048, 4096, 7680),
+                    evaluators: int = 5, new_tokens: int = 16, dtype: str = "float32", threads: int = 2,
+                    out_dir: str | Path | None = None) -> dict:
+    torch.set_num_threads(threads)
+    model_dir = resolve_model_dir(model)
+    rows = []
+    bar = tqdm(total=2 * len(lengths), desc="bench alora", unit="point")
+    with tempfile.TemporaryDirectory(prefix="kvshare-alora-") as tmp:
+        for mode in ("alora", "lora"):
+            engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=2048,
+                               kv_cache_tokens=(evaluators + 2) * (max(lengths) + 4 * new_tokens + 64))
+            tok = engine.tokenizer
+            names, invocations = [], []
+            for i in range(evaluators):
+                inv = tok.encode(f"<|im_start|>judge{i}<|im_end|>", add_special_tokens=False) if mode == "alora" else None
+                ckpt = make_peft_adapter(model_dir, Path(tmp) / f"{mode}-{i}-ckpt", target_modules=TARGETS,
+                                         rank=32, seed=i, invocation_tokens=inv)
+                path = export_adapter(ckpt, kind=mode, base=model_dir, out=Path(tmp) / f"{mode}-{i}",
+                                      invocation=f"<|im_start|>judge{i}<|im_end|>" if inv else None)
+                names.append(engine.load_adapter(path))
+                invocations.append(inv or [])
+            text_ids = tok.encode(TEXT, add_special_tokens=False)
+            for length in lengths:
+                engine.blocks.reset()
+                engine.blocks.stats.update(hit_tokens=0, queried_tokens=0, evictions=0)
+                x = (text_ids * (length // len(text_ids) + 1))[:length]
+                (answer,), t_answer = _run(engine, [(x, None)], new_tokens)
+                xy = x + answer.token_ids
+                (judge,), t_judge = _run(engine, [(xy + invocations[0], names[0])], new_tokens)
+                z = invocations[0] + judge.token_ids
+                (_,), t_continue = _run(engine, [(xy + z, None)], new_tokens)
+                parallel, t_parallel = _run(engine, [(xy + invocations[i], names[i]) for i in range(evaluators)],
+                                            new_tokens)
+                m = judge.metrics
+                rows.append({
+                    "mode": mode, "prompt_tokens": length,
+                    "eval_ttft_s": m["time_to_first_token"], "eval_prefill_s": m["time_to_first_token"],
+                    "eval_decode_s": m["e2e_time"] - m["time_to_first_token"], "eval_e2e_s": m["e2e_time"],
+                    "eval_prompt_tokens_cached": m["prompt_tokens_cached"],
+                    "eval_hit_rate": m["prompt_tokens_cached"] / m["prompt_tokens"],
+                    "pipeline_s": t_answer + t_judge + t_continue,
+                    f"parallel_{evaluators}_ttft_s_max": max(o.metrics["time_to_first_token"] for o in parallel),
+                    f"parallel_{evaluators}_e2e_s": t_parallel,
+                })
+                bar.update()
+    bar.close()
+    results = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens,
+               "evaluators": evaluators, "adapters": "random (rank 32, q/k/v); speed does not depend on values",
+               "rows": rows}
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "alora_bench.json").write_text(json.dumps(results, indent=1))
+        (out / "alora_bench.md").write_text(markdown(results))
+    return results
+
+
+def markdown(results: dict) -> str:
+    n = results["evaluators"]
+    by = {(r["mode"], r["prompt_tokens"]): r for r in results["rows"]}
+    lines = [f"| prompt tokens | eval TTFT aLoRA s | eval TTFT LoRA s | TTFT speedup | eval decode aLoRA / LoRA s | "
+             f"eval e2e speedup | hit rate aLoRA / LoRA | pipeline speedup | {n} parallel evaluators e2e speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for length in sorted({r["prompt_tokens"] for r in results["rows"]}):
+        a, b = by.get(("alora", length)), by.get(("lora", length))
+        if not a or not b:
+            continue
+        lines.append(
+            f"| {length} | {a['eval_ttft_s']:.3f} | {b['eval_ttft_s']:.3f} | {b['eval_ttft_s'] / a['eval_ttft_s']:.1f}x | "
+            f"{a['eval_decode_s']:.2f} / {b['eval_decode_s']:.2f} | {b['eval_e2e_s'] / a['eval_e2e_s']:.1f}x | "
+            f"{a['eval_hit_rate']:.2f} / {b['eval_hit_rate']:.2f} | {b['pipeline_s'] / a['pipeline_s']:.2f}x | "
+            f"{b[f'parallel_{n}_e2e_s'] / a[f'parallel_{n}_e2e_s']:.1f}x |")
+    return "\n".join(lines) + "\n"
