@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/kvshare demo
+	$(BIN)/kvshare story
 
 # Re-pin constraints.txt to what the venv holds now (torch stays at the release, not +cpu).
 lock: $(STAMP)

@@ -87,6 +87,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_story(args: argparse.Namespace) -> int:
+    from .story import run_story
+
+    run_story(model=args.model, workdir=args.workdir, steps=args.steps, examples=args.examples,
+              workflows=args.workflows, turns=args.turns)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -279,6 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", metavar="DIR", help="write alora_bench.json and alora_bench.md here")
     p.set_defaults(func=_cmd_bench_alora)
+
+    p = sub.add_parser("story", help="the end-to-end demo: train, export, serve, run a workflow, compare",
+                       description="Train short ICaRus, aLoRA and LoRA math adapters from the shipped "
+                       "recipes, serve them with the base in one engine, run a small ReAct workflow "
+                       "with the ICaRus solver and again with the LoRA solver (aLoRA checker in both), "
+                       "and print KV memory, time to first token and throughput side by side.")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--workdir", default="runs/demo", help="where runs and adapters go (reused next time)")
+    p.add_argument("--steps", type=int, default=12, help="training steps per adapter")
+    p.add_argument("--examples", type=int, default=400, help="GSM8K training examples to load")
+    p.add_argument("--workflows", type=int, default=3)
+    p.add_argument("--turns", type=int, default=4)
+    p.set_defaults(func=_cmd_story)
 
     p = sub.add_parser("demo", help="pull the reference model and answer a question",
                        description="Pull SmolLM2-135M-Instruct if needed and answer a prompt "

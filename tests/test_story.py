@@ -1,0 +1,18 @@
+"""The end-to-end story (make demo) on a tiny model: trains, serves, compares, reuses its runs."""
+
+from kvshare.story import run_story
+
+
+def test_story_runs_end_to_end_and_reuses_its_adapters(tiny_models, tmp_path, capsys):
+    kwargs = dict(model=str(tiny_models("llama")), workdir=tmp_path, steps=2, examples=24,
+                  workflows=2, turns=2, max_tokens=4, context_tokens=64)
+    result = run_story(**kwargs)
+    out = capsys.readouterr().out
+    assert "| icarus |" in out and "| lora |" in out
+    for kind in ("icarus", "alora", "lora"):
+        assert (tmp_path / f"math-{kind}" / "adapter" / "kvshare.json").is_file()
+    icarus, lora = result["workflows"]["icarus"], result["workflows"]["lora"]
+    assert icarus["cached"] > lora["cached"]  # the ICaRus team reuses the shared history
+    stamp = (tmp_path / "math-icarus" / "adapter" / "kvshare.json").stat().st_mtime_ns
+    run_story(**kwargs)  # second run: no retraining
+    assert (tmp_path / "math-icarus" / "adapter" / "kvshare.json").stat().st_mtime_ns == stamp
