@@ -42,6 +42,15 @@ class _OpenAIRequest(BaseModel):
     and ignored when they are at their neutral values."""
 
     model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    kvshare_hints: dict | None = None  # workflow hints, e.g. {"next_agents": ["critic"]}
+    # OpenAI's own optional fields, accepted and ignored at their neutral values
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -64,17 +73,9 @@ class _Lenient(BaseModel):
 
 
 class CompletionRequest(_OpenAIRequest):
-    model: str
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
-    kvshare_hints: dict | None = None  # workflow hints, e.g. {"next_agents": ["critic"]}
 
 
 class ChatMessage(_Lenient):
@@ -83,19 +84,11 @@ class ChatMessage(_Lenient):
 
 
 class ChatRequest(_OpenAIRequest):
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    kvshare_hints: dict | None = None
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
