@@ -60,7 +60,7 @@ async def _team_run(engine, solver: str, checker: str, checker_invocation: list[
 
     async def watch():
         while not done.is_set():
-            peak[0] = max(peak[0], sum(1 for b in engine.blocks.blocks if b.ref_count > 0))
+            peak[0] = max(peak[0], engine.blocks.num_holding_kv)  # in use + kept for reuse
             await asyncio.sleep(0.01)
 
     async def one(i, context):
@@ -120,7 +120,7 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
         print(f"{label:>7}: {text}")
     print(f"\n{workflows} ReAct workflows x {turns} turns (planner = base, solver = the adapter) + an aLoRA "
           "checker, on one shared engine:\n")
-    print("| solver | peak KV MB | mean TTFT s | tokens/s | prompt tokens from cache |")
+    print("| solver | KV held, MB (peak) | mean TTFT s | tokens/s | prompt tokens from cache |")
     print("|---|---|---|---|---|")
     for label, r in results.items():
         print(f"| {label} | {r['peak_blocks'] * bytes_per_block / 2**20:.1f} | {r['ttft']:.2f} | "
