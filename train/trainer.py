@@ -102,8 +102,13 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     its manifest to ``output_dir/adapter``.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
 
+    # accelerate keeps its settings in a process-wide singleton; a second run in the same
+    # process (kvshare story, a notebook) may use another mixed precision. The process group
+    # (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
     # cpu=True on CPU-only machines lets torchrun-launched processes form a gloo DDP group.
     accel = Accelerator(mixed_precision=recipe.train.mixed_precision, cpu=not torch.cuda.is_available())
     main = accel.is_main_process
