@@ -156,6 +156,19 @@ def _cmd_bench_alora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.task == "gsm8k":
+        from .eval.gsm8k import evaluate_gsm8k
+
+        evaluate_gsm8k(args.model, args.adapter, args.out, limit=args.limit, shots=args.shots, batch=args.batch)
+    else:
+        from .eval.qa import evaluate_f1
+
+        evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch)
+    print((Path(args.out) / "results.md").read_text(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -287,6 +300,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", metavar="DIR", help="write alora_bench.json and alora_bench.md here")
     p.set_defaults(func=_cmd_bench_alora)
+
+    p = sub.add_parser("eval", help="score the base or an adapter through the engine",
+                       description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
+                       "and flexible-extract) or f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD). "
+                       "Resumable: finished samples in OUT/samples.jsonl are kept.")
+    p.add_argument("task", choices=["gsm8k", "f1"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--adapter", metavar="NAME_OR_DIR", help="exported adapter folder (default: the base)")
+    p.add_argument("--limit", type=int, help="first N examples only")
+    p.add_argument("--shots", type=int, default=0, help="gsm8k: few-shot examples from train")
+    p.add_argument("--dataset", choices=["hotpotqa", "squad"], default="hotpotqa", help="f1: data set")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("story", help="the end-to-end demo: train, export, serve, run a workflow, compare",
                        description="Train short ICaRus, aLoRA and LoRA math adapters from the shipped "

@@ -1,1 +1,2 @@
-"""kvshare.eval: F1, GSM8K and HumanEval harnesses that generate through the serving engine."""
+"""kvshare.eval: quality harnesses that generate through the serving engine, so adapters run
+with their real sharing semantics. GSM8K (lm-eval's scoring) and extractive-QA F1 so far."""

@@ -1,0 +1,64 @@
+"""Extractive QA F1 through the engine: HotpotQA (distractor) and held-out SQuAD articles.
+
+Prompts use the same layout as the QA adapters' training data (paragraphs, then the
+question; ``kvshare.train.data.qa_prompt``), as the chat user turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import KvshareError
+from ..splits import SQUAD_EVAL_TITLES, require_data_dir
+from ..serve import SamplingParams
+from ..train.data import qa_prompt
+from .f1 import score
+from .harness import load_llm, mean_ci95, run_samples, write_results
+
+
+def load_items(dataset: str) -> list[dict]:
+    folder = require_data_dir()
+    if dataset == "hotpotqa":
+        items = []
+        for line in (folder / "hotpotqa" / "dev_hard_500.jsonl").read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                paragraphs = [(title, "".join(sents)) for title, sents in row["context"]]
+                items.append({"id": row["_id"], "prompt": qa_prompt(row["question"], paragraphs),
+                              "answers": [row["answer"]]})
+        return items
+    if dataset == "squad":
+        data = json.loads((folder / "squad" / "dev-v1.1-small.json").read_text())
+        return [{"id": qa["id"], "prompt": qa_prompt(qa["question"], [("", p["context"])]),
+                 "answers": [a["text"] for a in qa["answers"]]}
+                for article in data["data"] if article["title"] in SQUAD_EVAL_TITLES
+                for p in article["paragraphs"] for qa in p["qas"]]
+    raise KvshareError(f"unknown F1 data set {dataset!r} (hotpotqa or squad)")
+
+
+def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",
+                limit: int | None = None, batch: int = 8, max_tokens: int = 32) -> dict:
+    items = load_items(dataset)[:limit] if limit else load_items(dataset)
+    llm, name = load_llm(model, adapter)
+    tokenizer = llm.engine.tokenizer
+
+    def prompt(item):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+
+    def judge(item, text):
+        answer = text.strip().split("\n")[0]
+        return {"answers": item["answers"], "prediction": answer, **score(answer, item["answers"])}
+
+    samples = run_samples(llm, name, items, prompt, judge, SamplingParams(max_tokens=max_tokens),
+                          Path(out_dir), batch, desc=f"f1 {dataset}")
+    results = {"task": f"f1-{dataset}", "model": str(model), "adapter": adapter, "limit": limit,
+               "f1": mean_ci95([s["f1"] for s in samples]),
+               "exact_match": mean_ci95([s["exact_match"] for s in samples])}
+    f1, em = results["f1"], results["exact_match"]
+    write_results(Path(out_dir), results,
+                  f"| f1-{dataset} | {adapter or 'base'} | {f1['n']} | F1 {f1['mean']:.3f} ± {1.96 * f1['stderr']:.3f} "
+                  f"| EM {em['mean']:.3f} ± {1.96 * em['stderr']:.3f} |")
+    return results

@@ -1,0 +1,57 @@
+"""GSM8K and F1 harnesses: lm-eval's scoring, resumable runs through the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvshare.eval.gsm8k import Scorer, evaluate_gsm8k
+from kvshare.eval.harness import mean_ci95
+from kvshare.eval.qa import evaluate_f1, load_items
+
+REFERENCE = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+
+
+@pytest.mark.parametrize("completion,strict,flexible", [
+    ("She sold 48 + 24 = 72 clips.\n#### 72", 1.0, 1.0),
+    ("So the total is 72.", 0.0, 1.0),  # no '####': only flexible-extract finds the last number
+    ("#### 71\nActually it is 72", 0.0, 1.0),
+    ("#### $1,000", 0.0, 0.0),
+    ("no number at all", 0.0, 0.0),
+])
+def test_scoring_is_lm_evals(completion, strict, flexible):
+    verdict = Scorer()(completion, REFERENCE)
+    assert verdict["strict-match"]["correct"] == strict
+    assert verdict["flexible-extract"]["correct"] == flexible
+    if completion == "no number at all":
+        assert verdict["strict-match"]["extracted"] == "[invalid]"
+
+
+def test_mean_and_interval():
+    result = mean_ci95([1.0, 0.0, 1.0, 1.0])
+    assert result["mean"] == 0.75 and result["n"] == 4
+    assert result["ci95"][0] < 0.75 < result["ci95"][1]
+
+
+def test_gsm8k_runs_through_the_engine_and_resumes(tiny_models, tmp_path):
+    base = str(tiny_models("llama"))
+    first = evaluate_gsm8k(base, None, tmp_path, limit=3, shots=1, max_tokens=8)
+    assert first["strict-match"]["n"] == 3
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    assert {"prompt", "output", "reference", "strict-match", "flexible-extract"} <= set(record)
+    again = evaluate_gsm8k(base, None, tmp_path, limit=4, shots=1, max_tokens=8)
+    assert again["strict-match"]["n"] == 4
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4  # 3 reused, 1 new
+
+
+def test_f1_on_held_out_qa(tmp_path):
+    from kvshare.testing import make_tiny_model
+
+    assert len(load_items("hotpotqa")) == 500
+    squad = load_items("squad")
+    assert len(squad) == 623 and all(item["answers"] for item in squad)
+    model = make_tiny_model(tmp_path / "long-context", max_position_embeddings=4096)
+    result = evaluate_f1(str(model), None, tmp_path / "out", dataset="squad", limit=2, max_tokens=4)
+    assert result["f1"]["n"] == 2 and (tmp_path / "out" / "results.md").read_text().startswith("| f1-squad |")
