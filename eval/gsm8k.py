@@ -75,7 +75,6 @@ def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: 
                    shots: int = 0, batch: int = 8, max_tokens: int = 256) -> dict:
     scorer = Scorer()
     llm, name = load_llm(model, adapter)
-    tokenizer = llm.engine.tokenizer
     test = load_split("test")[:limit] if limit else load_split("test")
     examples = load_split("train")[:shots] if shots else []
 
@@ -84,8 +83,7 @@ def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: 
         for ex in examples:
             messages += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]
         messages.append({"role": "user", "content": item["question"]})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return llm.engine.chat_prompt(messages, name)
 
     def judge(item, text):
         verdict = scorer(text, item["answer"])

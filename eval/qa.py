@@ -41,12 +41,9 @@ def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: s
                 limit: int | None = None, batch: int = 8, max_tokens: int = 32) -> dict:
     items = load_items(dataset)[:limit] if limit else load_items(dataset)
     llm, name = load_llm(model, adapter)
-    tokenizer = llm.engine.tokenizer
 
     def prompt(item):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return llm.engine.chat_prompt([{"role": "user", "content": item["prompt"]}], name)
 
     def judge(item, text):
         answer = text.strip().split("\n")[0]

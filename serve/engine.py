@@ -87,6 +87,17 @@ class LLMEngine:
             raise KvshareError(f"adapter {name!r} is in use by {len(busy)} request(s)")
         self.adapters.unload(name)
 
+    def chat_prompt(self, messages: list[dict], adapter: str | None = None) -> list[int]:
+        """Token ids of a chat for ``adapter``, laid out as that adapter was trained: an aLoRA
+        gets the conversation then its invocation (no assistant header); others get the chat
+        template's generation prompt."""
+        invocation = None
+        if adapter is not None and self.adapters.get(adapter).kind is AdapterKind.ALORA:
+            invocation = list(self.adapters.get(adapter).invocation)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=invocation is None,
+                                                 tokenize=True, return_dict=True)["input_ids"]
+        return list(ids) + (invocation or [])
+
     # requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,

@@ -24,7 +24,6 @@ from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import KvshareError
-from ..sharing import AdapterKind
 from .async_engine import AsyncEngine, Overloaded
 from .engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
@@ -275,13 +274,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         adapter = resolve(req.model)
-        messages = [m.model_dump() for m in req.messages]
-        invocation = None
-        if adapter is not None and engine.adapters.get(adapter).kind is AdapterKind.ALORA:
-            invocation = engine.adapters.get(adapter).invocation
-        prompt = list(engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=invocation is None, tokenize=True, return_dict=True)["input_ids"])
-        prompt += invocation or []
+        prompt = engine.chat_prompt([m.model_dump() for m in req.messages], adapter)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         check_prompt(prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

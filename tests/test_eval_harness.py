@@ -55,3 +55,22 @@ def test_f1_on_held_out_qa(tmp_path):
     model = make_tiny_model(tmp_path / "long-context", max_position_embeddings=4096)
     result = evaluate_f1(str(model), None, tmp_path / "out", dataset="squad", limit=2, max_tokens=4)
     assert result["f1"]["n"] == 2 and (tmp_path / "out" / "results.md").read_text().startswith("| f1-squad |")
+
+
+def test_alora_adapters_are_evaluated_with_their_invocation(tiny_models, tmp_path):
+    """As trained: conversation, then the invocation, no assistant header (else PEFT's rule
+    would never switch the adapter on)."""
+    from kvshare.export import export_adapter
+    from kvshare.serve import LLM
+    from kvshare.testing import make_peft_adapter
+
+    base = tiny_models("llama")
+    engine = LLM(base, kv_cache_tokens=512).engine
+    inv = engine.tokenizer.encode("<|invoke|>", add_special_tokens=False)
+    ckpt = make_peft_adapter(base, tmp_path / "ckpt", target_modules=["q_proj"], invocation_tokens=inv)
+    name = engine.load_adapter(export_adapter(ckpt, kind="alora", base=base, out=tmp_path / "judge",
+                                              invocation="<|invoke|>"))
+    messages = [{"role": "user", "content": "Is 2 + 2 = 4?"}]
+    ids = engine.chat_prompt(messages, name)
+    assert ids[-len(inv):] == inv
+    assert engine.chat_prompt(messages)[-len(inv):] != inv
