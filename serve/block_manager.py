@@ -60,11 +60,12 @@ class BlockManager:
         payload = f"{owner or ''}|{','.join(map(str, tokens))}".encode()
         return hashlib.sha256(parent + payload).digest()
 
-    def _keys(self, seq: Sequence, upto_tokens: int):
-        """(block index, owner, key) for the full blocks among the first ``upto_tokens``."""
-        parent = self.root
+    def _keys(self, seq: Sequence, upto_tokens: int, start: int = 0, parent: bytes | None = None):
+        """(block index, owner, key) for the full blocks among the first ``upto_tokens``,
+        from block ``start`` on (``parent`` is then the key of block ``start - 1``)."""
+        parent = parent or self.root
         tokens = seq.tokens
-        for index in range(upto_tokens // self.block_size):
+        for index in range(start, upto_tokens // self.block_size):
             end = (index + 1) * self.block_size
             owner = kv_owner(seq.kind, seq.adapter, end, seq.invocation_start)
             parent = self.block_key(parent, owner, tokens[end - self.block_size:end])
@@ -120,6 +121,7 @@ class BlockManager:
             self.pending.setdefault(keys[index], seq.block_table[index])
         seq.num_computed = len(hits) * self.block_size
         seq.hashed_blocks = len(hits)
+        seq.chain_key = keys[len(hits) - 1] if hits else None
         self.stats["queried_tokens"] += len(seq.prompt)
         self.stats["hit_tokens"] += min(seq.num_computed, len(seq.prompt))
 
@@ -136,15 +138,15 @@ class BlockManager:
         full = seq.num_computed // self.block_size
         if full <= seq.hashed_blocks:
             return
-        for index, owner, key in self._keys(seq, full * self.block_size):
-            if index < seq.hashed_blocks:
-                continue
+        # continue the chain from the last registered block instead of hashing from the root
+        for index, owner, key in self._keys(seq, full * self.block_size, seq.hashed_blocks, seq.chain_key):
             block = self.blocks[seq.block_table[index]]
             if self.pending.get(key) == block.id:
                 del self.pending[key]
             if key not in self.cached and block.key is None:
                 block.key, block.owner = key, owner
                 self.cached[key] = block.id
+            seq.chain_key = key
         seq.hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
@@ -163,6 +165,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.hashed_blocks = 0
+        seq.chain_key = None
 
     @property
     def num_holding_kv(self) -> int:

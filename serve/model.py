@@ -93,6 +93,8 @@ class Model:
             })
         self.q_size, self.kv_size = self.n_q * self.head_dim, self.n_kv * self.head_dim
         self.inter = self.layers[0]["down"].shape[1]
+        self.split_sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
+                            "gate_proj": self.inter, "up_proj": self.inter}
 
     @torch.no_grad()
     def forward(self, rows: Rows, kv_cache: torch.Tensor, lora) -> torch.Tensor:
@@ -111,9 +113,7 @@ class Model:
 
         def adapt(i: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
             """Split a fused output into its projections and add each one's LoRA delta."""
-            sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
-                     "gate_proj": self.inter, "up_proj": self.inter}
-            parts = list(torch.split(y, [sizes.get(name, y.shape[-1]) for name in names], dim=-1))
+            parts = list(torch.split(y, [self.split_sizes.get(name, y.shape[-1]) for name in names], dim=-1))
             if groups:
                 parts = [gathered(x, part, groups, lora(i, name)) for part, name in zip(parts, names)]
             return parts

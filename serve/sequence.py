@@ -34,6 +34,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    chain_key: bytes | None = None  # prefix-cache key of the last of those blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None
     first_scheduled: float | None = None
