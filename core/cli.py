@@ -169,6 +169,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
+    """Options every benchmark takes: the model, its dtype, CPU threads, the report folder."""
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", metavar="DIR", help=out_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshare",
@@ -259,19 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Measure the serving engine against Hugging Face transformers on "
                         "one model: decode (batch 1 and 16), prefill (1k and 4k tokens), the ICaRus "
                         "paired decode step, and KV bytes for N agents over one context.")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=2)
+    _bench_common(p, "write engine_bench.json and engine_bench.md here")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
-    p.add_argument("--out", metavar="DIR", help="write engine_bench.json and engine_bench.md here")
     p.set_defaults(func=_cmd_bench_engine)
 
     p = bsub.add_parser("workflow", help="multi-agent ReAct on HotpotQA: icarus vs alora vs lora vs hf",
                         description="N agents (each its own random adapter) take ReAct turns over "
                         "HotpotQA contexts; workflows arrive at each QPS; reports P50/P95 latency, "
                         "throughput, TTFT, hit rate, peak KV blocks as JSON, markdown and PNG plots.")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    _bench_common(p, "write workflow_bench.{json,md} and PNG plots here")
     p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
     p.add_argument("--modes", nargs="+", default=["icarus", "alora", "lora", "hf"],
@@ -283,22 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-delay", type=float, default=0.0, help="simulated tool latency, seconds")
     p.add_argument("--observation-tokens", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: 8 workflow contexts)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", metavar="DIR", help="write workflow_bench.{json,md} and PNG plots here")
     p.set_defaults(func=_cmd_bench_workflow)
 
     p = bsub.add_parser("alora", help="aLoRA pipeline vs LoRA by prompt length",
                         description="Base answers, an adapter evaluates (16 tokens), the base "
                         "continues; aLoRA vs conventional LoRA evaluators over prompt lengths, plus "
                         "several evaluators in parallel. JSON and markdown.")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    _bench_common(p, "write alora_bench.json and alora_bench.md here")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 7680])
     p.add_argument("--evaluators", type=int, default=5, help="adapters evaluating in parallel")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", metavar="DIR", help="write alora_bench.json and alora_bench.md here")
     p.set_defaults(func=_cmd_bench_alora)
 
     p = sub.add_parser("eval", help="score the base or an adapter through the engine",

@@ -161,8 +161,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     backend = EngineBackend(runner)
                 for rate in qps:
                     if runner is not None:
-                        engine.blocks.reset()
-                        engine.blocks.stats.update(hit_tokens=0, queried_tokens=0, evictions=0)
+                        engine.blocks.reset()  # also zeroes the hit and eviction counters
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
                         engine=engine if runner else None))
