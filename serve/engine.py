@@ -42,6 +42,7 @@ class RequestOutput:
     adapter: str | None
     logprobs: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict | None] | None = None  # [None, {token, logprob, top}, ...]
 
 
 class LLMEngine:
@@ -118,6 +119,8 @@ class LLMEngine:
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, tokens, params, hints=dict(hints or {}))
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(tokens)
         self.hints_log.append((request_id, seq.hints))
         if adapter is not None:
             loaded = self.adapters.get(adapter)
@@ -150,18 +153,20 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        rows = self._layout(plan)
+        rows, targets = self._layout(plan)
         logits = self.model.forward(rows, self.kv_cache, self.adapters.lookup)
         self.counters["steps"] += 1
-        outputs, logit_index, now = [], 0, time.perf_counter()
         for item in plan:
-            seq = item.seq
-            seq.num_computed += item.n_compute
-            self.blocks.register_computed(seq)
-            if not item.wants_logits:
+            item.seq.num_computed += item.n_compute
+            self.blocks.register_computed(item.seq)
+        outputs, now = [], time.perf_counter()
+        for row_logits, (index, position) in zip(logits, targets):
+            seq = plan[index].seq
+            if position is not None:  # a prompt position scored for prompt_logprobs
+                seq.prompt_logprobs[position + 1] = top_logprobs(row_logits, seq.prompt[position + 1],
+                                                                 seq.params.prompt_logprobs)
+                seq.scored = max(seq.scored, position + 1)
                 continue
-            row_logits = logits[logit_index]
-            logit_index += 1
             token = sample(row_logits, seq.params, seq.generator)
             if seq.params.logprobs is not None:
                 seq.logprobs.append(top_logprobs(row_logits, token, seq.params.logprobs))
@@ -172,35 +177,48 @@ class LLMEngine:
             outputs.append(self._check_finished(seq))
         return outputs
 
-    def _layout(self, plan: list[Scheduled]) -> Rows:
+    def _layout(self, plan: list[Scheduled]) -> tuple[Rows, list[tuple[int, int | None]]]:
+        """Flatten the plan into rows; also say what each logit row is for: (plan index,
+        None) samples the sequence's next token, (plan index, p) scores prompt token p + 1."""
         tokens, positions, adapters, writes, row_seq, logit_rows = [], [], [], [], [], []
+        targets: list[tuple[int, int | None]] = []
         bs = self.blocks.block_size
+
+        def add_row(index: int, seq: Sequence, pos: int, write: bool, adapter: bool) -> None:
+            tokens.append(seq.tokens[pos])
+            positions.append(pos)
+            adapters.append(seq.adapter_slot if adapter else -1)
+            writes.append(seq.block_table[pos // bs] * bs + pos % bs if write else -1)
+            row_seq.append(index)
+
         for index, item in enumerate(plan):
             seq = item.seq
-            seq_tokens = seq.tokens
             active_from = seq.adapter_active_from()
+            uses_adapter = lambda pos: active_from is not None and pos >= active_from  # noqa: E731
+            first_row = len(tokens)
             for pos in range(seq.num_computed, seq.num_computed + item.n_compute):
-                tokens.append(seq_tokens[pos])
-                positions.append(pos)
-                uses_adapter = not seq.is_icarus and active_from is not None and pos >= active_from
-                adapters.append(seq.adapter_slot if uses_adapter else -1)
-                writes.append(seq.block_table[pos // bs] * bs + pos % bs)
-                row_seq.append(index)
+                add_row(index, seq, pos, True, not seq.is_icarus and uses_adapter(pos))
+            scored_by_write, scored_read_only = seq.score_rows(item.n_compute)
+            for pos in scored_by_write:
+                logit_rows.append(first_row + pos - seq.num_computed)
+                targets.append((index, pos))
+            # read-only rows: ICaRus' adapter stream, or tokens whose KV came from the prefix
+            # cache (their KV must not be written twice)
+            for pos in scored_read_only:
+                add_row(index, seq, pos, False, uses_adapter(pos))
+                logit_rows.append(len(tokens) - 1)
+                targets.append((index, pos))
             if item.wants_logits:
                 last = len(seq) - 1
                 if seq.is_icarus or item.n_compute == 0:
-                    # a read-only row for the last token: ICaRus' adapter row, or a token whose
-                    # KV came from the prefix cache (its KV must not be written twice)
-                    tokens.append(seq_tokens[last])
-                    positions.append(last)
-                    uses = seq.is_icarus or (active_from is not None and last >= active_from)
-                    adapters.append(seq.adapter_slot if uses else -1)
-                    writes.append(-1)
-                    row_seq.append(index)
-                logit_rows.append(len(tokens) - 1)
-        return Rows(torch.tensor(tokens), torch.tensor(positions), torch.tensor(adapters),
+                    add_row(index, seq, last, False, uses_adapter(last))
+                logit_rows.append(len(tokens) - 1 if seq.is_icarus or item.n_compute == 0
+                                  else first_row + item.n_compute - 1)
+                targets.append((index, None))
+        rows = Rows(torch.tensor(tokens), torch.tensor(positions), torch.tensor(adapters),
                     torch.tensor(writes), row_seq, [p.seq.block_table for p in plan],
                     torch.tensor(logit_rows, dtype=torch.long))
+        return rows, targets
 
     def _check_finished(self, seq: Sequence) -> RequestOutput:
         params, token = seq.params, seq.output[-1]
@@ -221,7 +239,8 @@ class LLMEngine:
             self.sequences.pop(seq.request_id, None)
             self.counters["finished"] += 1
         return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text, reason is not None,
-                             reason, seq.adapter, list(seq.logprobs), self._request_metrics(seq))
+                             reason, seq.adapter, list(seq.logprobs), self._request_metrics(seq),
+                             list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def _request_metrics(self, seq: Sequence) -> dict:
         times = seq.token_times

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
+    prompt_logprobs: int | None = None  # same for every prompt token (scoring, as in vLLM)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -32,8 +33,9 @@ class SamplingParams:
             raise KvshareError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise KvshareError("top_k must be >= 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise KvshareError("logprobs must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise KvshareError(f"{name} must be >= 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

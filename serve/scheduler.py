@@ -49,9 +49,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _rows(self, seq: Sequence, n_compute: int, wants_logits: bool) -> int:
-        """Rows a step of this sequence costs: ICaRus adds an adapter row when it samples."""
+        """Rows a step of this sequence costs: ICaRus adds an adapter row when it samples,
+        prompt scoring adds the read-only rows of ``Sequence.score_rows``."""
         extra = 1 if wants_logits and (seq.is_icarus or n_compute == 0) else 0
-        return n_compute + extra
+        return n_compute + extra + len(seq.score_rows(n_compute)[1])
 
     def _preempt_newest(self, keep: Sequence) -> bool:
         """Release the newest running sequence other than ``keep``; False if there is none."""

@@ -30,6 +30,8 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict | None] | None = None  # filled when params.prompt_logprobs is set
+    scored: int = 0  # prompt positions whose next-token logits were collected
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
@@ -54,6 +56,22 @@ class Sequence:
     @property
     def is_icarus(self) -> bool:
         return self.kind is AdapterKind.ICARUS
+
+    def score_rows(self, n_compute: int) -> tuple[list[int], list[int]]:
+        """Prompt positions whose logits this step collects, for ``prompt_logprobs``.
+
+        Returns (positions whose KV-writing row gives the logits, positions that need an
+        extra read-only row). Read-only rows serve positions taken from the prefix cache (no
+        row computes them) and every ICaRus position (the adapter's logits come from its
+        own query over the base's KV, not from the base row that writes it).
+        """
+        if self.params.prompt_logprobs is None:
+            return [], []
+        last = len(self.prompt) - 1  # logits at positions < last score prompt tokens 1..last
+        start, end = self.num_computed, min(self.num_computed + n_compute, last)
+        cached = list(range(self.scored, min(start, last)))
+        fresh = list(range(max(start, self.scored), end))
+        return ([], cached + fresh) if self.is_icarus else (fresh, cached)
 
     def adapter_active_from(self) -> int | None:
         """First position whose projections use the adapter (None: never)."""
