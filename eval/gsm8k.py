@@ -2,9 +2,13 @@
 
 Answer extraction and matching are lm-eval's own code (its RegexFilter and exact_match),
 configured from the gsm8k.yaml that ships inside the installed lm-eval, so "strict-match"
-and "flexible-extract" mean what they mean there. Prompts are chat prompts (the question as
-the user turn; with ``shots`` > 0, the first K training problems as earlier turns), the way
-the chat model and its adapters were trained.
+and "flexible-extract" mean what they mean there. Two prompt formats:
+
+- ``chat`` (default): the question as the user turn (with ``shots`` > 0, the first K training
+  problems as earlier turns), the way the chat model and its adapters were trained;
+- ``plain``: lm-eval's gsm8k text prompt ("Question: ...\nAnswer:", shots separated by a
+  blank line) and stop strings, the first K training problems as shots; the same prompts as
+  the ``gsm8k_kvshare`` lm-eval task, so the two scores can be compared sample by sample.
 """
 
 from __future__ import annotations
@@ -72,13 +76,22 @@ def load_split(split: str) -> list[dict]:
 
 
 def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
-                   shots: int = 0, batch: int = 8, max_tokens: int = 256) -> dict:
+                   shots: int = 0, batch: int = 8, max_tokens: int = 256, prompt_format: str = "chat",
+                   dtype: str = "float32") -> dict:
+    if prompt_format not in ("chat", "plain"):
+        raise KvshareError(f"unknown prompt format {prompt_format!r} (chat or plain)")
     scorer = Scorer()
-    llm, name = load_llm(model, adapter)
+    llm, name = load_llm(model, adapter, dtype=dtype)
     test = load_split("test")[:limit] if limit else load_split("test")
     examples = load_split("train")[:shots] if shots else []
 
+    def plain(item):
+        text = "".join(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n" for ex in examples)
+        return llm.engine.tokenizer.encode(f"{text}Question: {item['question']}\nAnswer:", add_special_tokens=False)
+
     def prompt(item):
+        if prompt_format == "plain":
+            return plain(item)
         messages = []
         for ex in examples:
             messages += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]
@@ -89,12 +102,14 @@ def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: 
         verdict = scorer(text, item["answer"])
         return {"reference": item["answer"].split("####")[-1].strip(), **verdict}
 
-    params = SamplingParams(max_tokens=max_tokens, stop=["Question:"])
+    stops = lm_eval_gsm8k_config()["generation_kwargs"]["until"]
+    params = SamplingParams(max_tokens=max_tokens, stop=stops)
     samples = run_samples(llm, name, test, prompt, judge, params, Path(out_dir), batch, desc="gsm8k")
     results = {"task": "gsm8k", "model": str(model), "adapter": adapter, "shots": shots, "limit": limit,
+               "prompt_format": prompt_format, "dtype": dtype,
                **{f: mean_ci95([s[f]["correct"] for s in samples]) for f in scorer.filters}}
     strict, flexible = results["strict-match"], results["flexible-extract"]
     write_results(Path(out_dir), results,
-                  f"| gsm8k | {adapter or 'base'} | {shots}-shot | {strict['n']} | strict {strict['mean']:.3f} "
+                  f"| gsm8k | {adapter or 'base'} | {shots}-shot {prompt_format} | {strict['n']} | strict {strict['mean']:.3f} "
                   f"± {1.96 * strict['stderr']:.3f} | flexible {flexible['mean']:.3f} ± {1.96 * flexible['stderr']:.3f} |")
     return results

@@ -28,9 +28,10 @@ def mean_ci95(values: list[float]) -> dict:
     return {"mean": mean, "stderr": stderr, "ci95": [mean - 1.96 * stderr, mean + 1.96 * stderr], "n": n}
 
 
-def load_llm(model: str, adapter: str | None, dtype: str = "float32") -> tuple[LLM, str | None]:
+def load_llm(model: str, adapter: str | None, dtype: str = "float32",
+             kv_cache_tokens: int = 32768) -> tuple[LLM, str | None]:
     """An engine with the adapter (folder) loaded; returns it and the adapter's name."""
-    llm = LLM(model, kv_cache_tokens=32768, dtype=dtype)
+    llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype)
     name = None
     if adapter:
         name = llm.engine.load_adapter(adapter) if Path(adapter).is_dir() else adapter

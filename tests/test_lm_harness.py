@@ -1,0 +1,96 @@
+"""lm-eval integration: the registered ``kvshare`` model scores like lm-eval's own HF model,
+and our GSM8K harness gives lm-eval's GSM8K score on the same examples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from kvshare.eval.lm_harness import TASKS_DIR, KvshareLM  # noqa: E402
+from kvshare.export import export_adapter  # noqa: E402
+from kvshare.testing import make_peft_adapter  # noqa: E402
+
+PAIRS = [("The capital of France is", " Paris"), ("def add(a, b):\n    return", " a + b"),
+         ("Question: what is 2 + 2?\nAnswer:", " 4"), ("x", " y z w")]
+
+
+def requests(kind, args_list):
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(args_list)]
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_models, tmp_path_factory):
+    base = tiny_models("llama")
+    root = tmp_path_factory.mktemp("lm-harness")
+    ckpt = make_peft_adapter(base, root / "ckpt", target_modules=["q_proj", "v_proj", "down_proj"], seed=7)
+    return base, export_adapter(ckpt, kind="lora", base=base, out=root / "lora")
+
+
+@pytest.mark.parametrize("with_adapter", [False, True], ids=["base", "lora"])
+def test_loglikelihood_equals_lm_evals_hf_model(lora, with_adapter):
+    from lm_eval.models.huggingface import HFLM
+
+    base, adapter = lora
+    ours = KvshareLM(pretrained=str(base), adapter=str(adapter) if with_adapter else None, batch_size=3)
+    theirs = HFLM(pretrained=str(base), peft=str(adapter) if with_adapter else None, device="cpu",
+                  batch_size=3, dtype="float32")
+    got = ours.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    want = theirs.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
+    torch.testing.assert_close(torch.tensor([g[0] for g in got]), torch.tensor([w[0] for w in want]),
+                               atol=1e-4, rtol=0)
+    assert [g[1] for g in got] == [w[1] for w in want]
+    texts = [("Paris is the capital of France. " * 3,), ("def f(x):\n    return x * 2\n",)]
+    rolled = ours.loglikelihood_rolling(requests("loglikelihood_rolling", texts), disable_tqdm=True)
+    reference = theirs.loglikelihood_rolling(requests("loglikelihood_rolling", texts), disable_tqdm=True)
+    torch.testing.assert_close(torch.tensor(rolled), torch.tensor(reference), atol=1e-3, rtol=0)
+
+
+def test_generate_until_stops_like_lm_eval(lora):
+    from lm_eval.models.huggingface import HFLM
+
+    base, _ = lora
+    ours = KvshareLM(pretrained=str(base))
+    theirs = HFLM(pretrained=str(base), device="cpu", batch_size=2, dtype="float32")
+    args = [("Question: what is 2 + 2?\nAnswer:", {"until": ["Question:", "\n\n"], "max_gen_toks": 24, "do_sample": False}),
+            ("def add(a, b):", {"until": ["\n"], "max_gen_toks": 16})]
+    assert ours.generate_until(requests("generate_until", args), disable_tqdm=True) == \
+        theirs.generate_until(requests("generate_until", args), disable_tqdm=True)
+
+
+@pytest.mark.integration
+def test_our_gsm8k_score_equals_lm_evals_through_the_kvshare_model(smollm2_dir, tmp_path):
+    """Same examples, same prompts, same engine: lm-eval (simple_evaluate on the local
+    gsm8k_kvshare task) and ``kvshare eval gsm8k --prompt-format plain`` agree sample by sample."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from kvshare.eval.gsm8k import evaluate_gsm8k
+
+    limit, shots = 4, 1
+    ours = evaluate_gsm8k(str(smollm2_dir), None, tmp_path / "ours", limit=limit, shots=shots,
+                          prompt_format="plain", max_tokens=96)
+    theirs = lm_eval.simple_evaluate(model="kvshare", model_args=f"pretrained={smollm2_dir},max_gen_toks=96",
+                                     tasks=["gsm8k_kvshare"], num_fewshot=shots, limit=limit, log_samples=True,
+                                     task_manager=TaskManager(include_path=str(TASKS_DIR)))
+    samples = [json.loads(line) for line in (tmp_path / "ours" / "samples.jsonl").read_text().splitlines()]
+    logged = sorted((s for s in theirs["samples"]["gsm8k_kvshare"] if s["filter"] == "strict-match"),
+                    key=lambda s: s["doc_id"])  # lm-eval logs each sample once per filter
+    assert len(logged) == len(samples) == limit
+    for mine, their in zip(samples, logged):
+        assert mine["prompt"] == their["arguments"][0][0]
+        assert mine["output"] == their["resps"][0][0]
+        by_filter = {s["filter"]: s["filtered_resps"][0] for s in theirs["samples"]["gsm8k_kvshare"]
+                     if s["doc_id"] == their["doc_id"]}
+        assert by_filter == {name: mine[name]["extracted"] for name in ("strict-match", "flexible-extract")}
+    scores = theirs["results"]["gsm8k_kvshare"]
+    for name in ("strict-match", "flexible-extract"):
+        assert ours[name]["mean"] == pytest.approx(scores[f"exact_match,{name}"])
+        assert ours[name]["stderr"] == pytest.approx(scores[f"exact_match_stderr,{name}"])
+    # something was actually extracted, so the comparison is not between two empty columns
+    assert any(s["flexible-extract"]["extracted"] != "[invalid]" for s in samples)
