@@ -160,12 +160,41 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.task == "gsm8k":
         from .eval.gsm8k import evaluate_gsm8k
 
-        evaluate_gsm8k(args.model, args.adapter, args.out, limit=args.limit, shots=args.shots, batch=args.batch)
-    else:
+        evaluate_gsm8k(args.model, args.adapter, args.out, limit=args.limit, shots=args.shots, batch=args.batch,
+                       prompt_format=args.prompt_format, dtype=args.dtype, max_tokens=args.max_tokens or 256)
+    elif args.task == "f1":
         from .eval.qa import evaluate_f1
 
-        evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch)
+        evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch,
+                    dtype=args.dtype, max_tokens=args.max_tokens or 32)
+    else:
+        from .eval.code import evaluate_code
+
+        evaluate_code(args.task, args.model, args.adapter, args.out, limit=args.limit, samples=args.samples,
+                      temperature=args.temperature, batch=args.batch, dtype=args.dtype,
+                      max_tokens=args.max_tokens or 512)
     print((Path(args.out) / "results.md").read_text(), end="")
+    return 0
+
+
+def _cmd_lm_eval(args: argparse.Namespace) -> int:
+    """lm-eval's own command line with the ``kvshare`` model registered and our tasks found.
+    (``main`` routes ``kvshare lm-eval ...`` here before argparse, which would eat lm-eval's
+    options.)"""
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        from .eval.lm_harness import TASKS_DIR
+    except ModuleNotFoundError as err:
+        raise KvshareError(f"kvshare lm-eval needs lm-eval ({err.name} is missing): pip install 'kvshare[eval]'") from None
+    argv = list(args.lm_eval_args)
+    if argv and argv[0] not in ("-h", "--help") and "--include_path" not in argv:
+        argv += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["kvshare lm-eval", *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as stop:  # argparse's own exits (usage errors, --help)
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     return 0
 
 
@@ -302,17 +331,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="score the base or an adapter through the engine",
                        description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
-                       "and flexible-extract) or f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD). "
+                       "and flexible-extract), f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD), "
+                       "humaneval / humanevalplus / mbpp (programs executed out of process; pass@k). "
                        "Resumable: finished samples in OUT/samples.jsonl are kept.")
-    p.add_argument("task", choices=["gsm8k", "f1"])
+    p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp"])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--adapter", metavar="NAME_OR_DIR", help="exported adapter folder (default: the base)")
     p.add_argument("--limit", type=int, help="first N examples only")
     p.add_argument("--shots", type=int, default=0, help="gsm8k: few-shot examples from train")
+    p.add_argument("--prompt-format", choices=["chat", "plain"], default="chat",
+                   help="gsm8k: chat turns, or lm-eval's plain 'Question: ...\\nAnswer:' text")
     p.add_argument("--dataset", choices=["hotpotqa", "squad"], default="hotpotqa", help="f1: data set")
+    p.add_argument("--samples", type=int, default=1, help="code: samples per problem (pass@k for k <= samples)")
+    p.add_argument("--temperature", type=float, default=0.0, help="code: sampling temperature (0 = greedy)")
+    p.add_argument("--max-tokens", type=int, help="generation length (default: gsm8k 256, f1 32, code 512)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("lm-eval", help="run lm-eval with the kvshare model registered",
+                       description="lm-eval's command line (all its options) with '--model kvshare' "
+                       "available and kvshare's local tasks (gsm8k_kvshare) on the include path. "
+                       "model_args: pretrained=NAME_OR_DIR,adapter=DIR[,dtype=bfloat16].",
+                       add_help=False)
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval")
+    p.set_defaults(func=_cmd_lm_eval)
 
     p = sub.add_parser("story", help="the end-to-end demo: train, export, serve, run a workflow, compare",
                        description="Train short ICaRus, aLoRA and LoRA math adapters from the shipped "
@@ -339,8 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["lm-eval"]:
+        args = argparse.Namespace(func=_cmd_lm_eval, lm_eval_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.func(args)
     except KvshareError as err:

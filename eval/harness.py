@@ -40,9 +40,10 @@ def load_llm(model: str, adapter: str | None, dtype: str = "float32",
 
 
 def run_samples(llm: LLM, adapter: str | None, items: list[dict], make_prompt: Callable[[dict], list[int]],
-                judge: Callable[[dict, str], dict], params: SamplingParams, out_dir: Path,
-                batch: int = 8, desc: str = "eval") -> list[dict]:
-    """Generate and judge every item (dicts with an "id"), reusing samples already logged."""
+                judge: Callable[[dict, str], dict], params: SamplingParams | Callable[[dict], SamplingParams],
+                out_dir: Path, batch: int = 8, desc: str = "eval") -> list[dict]:
+    """Generate and judge every item (dicts with an "id"), reusing samples already logged.
+    ``params`` may be a function of the item (e.g. a seed per sample)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "samples.jsonl"
     done: dict[str, dict] = {}
@@ -57,7 +58,8 @@ def run_samples(llm: LLM, adapter: str | None, items: list[dict], make_prompt: C
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
             prompts = [make_prompt(item) for item in chunk]
-            outputs = llm.generate(prompts, params, adapter=adapter)
+            outputs = llm.generate(prompts, [params(item) for item in chunk] if callable(params) else params,
+                                   adapter=adapter)
             for item, prompt, out in zip(chunk, prompts, outputs):
                 record = {"id": item["id"], "prompt": llm.engine.tokenizer.decode(prompt),
                           "output": out.text, **judge(item, out.text)}

@@ -38,9 +38,9 @@ def load_items(dataset: str) -> list[dict]:
 
 
 def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",
-                limit: int | None = None, batch: int = 8, max_tokens: int = 32) -> dict:
+                limit: int | None = None, batch: int = 8, max_tokens: int = 32, dtype: str = "float32") -> dict:
     items = load_items(dataset)[:limit] if limit else load_items(dataset)
-    llm, name = load_llm(model, adapter)
+    llm, name = load_llm(model, adapter, dtype=dtype)
 
     def prompt(item):
         return llm.engine.chat_prompt([{"role": "user", "content": item["prompt"]}], name)
@@ -51,7 +51,7 @@ def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: s
 
     samples = run_samples(llm, name, items, prompt, judge, SamplingParams(max_tokens=max_tokens),
                           Path(out_dir), batch, desc=f"f1 {dataset}")
-    results = {"task": f"f1-{dataset}", "model": str(model), "adapter": adapter, "limit": limit,
+    results = {"task": f"f1-{dataset}", "model": str(model), "adapter": adapter, "limit": limit, "dtype": dtype,
                "f1": mean_ci95([s["f1"] for s in samples]),
                "exact_match": mean_ci95([s["exact_match"] for s in samples])}
     f1, em = results["f1"], results["exact_match"]

@@ -274,11 +274,16 @@ class LLM:
     def __init__(self, model: str | Path, adapters: list[str | Path] = (), **engine_args):
         self.engine = LLMEngine(model, adapters, **engine_args)
 
-    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
                  adapter: str | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; ``params`` is one for all or one per prompt (as in vLLM)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.engine.add_request(p, params, adapter=adapter) for p in prompts]
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise KvshareError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, s, adapter=adapter) for p, s in zip(prompts, per_prompt)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

