@@ -33,7 +33,7 @@ from ..errors import KvshareError
 from ..serve import SamplingParams
 from ..splits import MBPP_SPLITS, require_data_dir
 from ..train.data import mbpp_prompt
-from .harness import load_llm, mean_ci95, run_samples, write_results
+from .harness import EvalTask, ci_cell, evaluate, mean_ci95
 from .sandbox import Limits, run_program
 
 TASKS = ("humaneval", "humanevalplus", "mbpp")
@@ -136,9 +136,8 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
     return done
 
 
-def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
-                  samples: int = 1, temperature: float = 0.0, batch: int = 8, max_tokens: int = 512,
-                  dtype: str = "float32", timeout: float = 10.0) -> dict:
+def code_task(task: str, limit: int | None = None, samples: int = 1, temperature: float = 0.0,
+              max_tokens: int = 512, timeout: float = 10.0) -> EvalTask:
     if samples < 1:
         raise KvshareError("--samples must be at least 1")
     if samples > 1 and temperature == 0:
@@ -146,13 +145,11 @@ def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Pat
     problems = load_problems(task)
     problems = problems[:limit] if limit else problems
     by_id = {p["task_id"]: p for p in problems}
-    out_dir = Path(out_dir)
-    llm, name = load_llm(model, adapter, dtype=dtype)
     items = [{"id": f"{p['task_id']}#{j}", "task_id": p["task_id"]} for p in problems for j in range(samples)]
     limits = Limits(timeout=timeout)
 
-    def prompt(item):
-        return llm.engine.chat_prompt([{"role": "user", "content": by_id[item["task_id"]]["user"]}], name)
+    def prompt(engine, item, adapter):
+        return engine.chat_prompt([{"role": "user", "content": by_id[item["task_id"]]["user"]}], adapter)
 
     def params(item):
         seed = zlib.crc32(item["id"].encode()) if temperature > 0 else None
@@ -163,25 +160,36 @@ def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Pat
         problem = by_id[item["task_id"]]
         solution = extract_solution(text, problem["prompt"], problem["entry_point"])
         outcome = run_program(checked_program("mbpp" if task == "mbpp" else "humaneval", problem, solution), limits)
+        detail = outcome.detail.strip()
         return {"task_id": item["task_id"], "solution": solution, "status": outcome.status,
-                "error": outcome.detail.strip().splitlines()[-1] if outcome.status != "passed" and outcome.detail.strip() else "",
+                "error": detail.splitlines()[-1] if outcome.status != "passed" and detail else "",
                 "passed": outcome.status == "passed"}
 
-    done = run_samples(llm, name, items, prompt, judge, params, out_dir, batch, desc=task)
-    columns = {"mbpp": {"mbpp": done}, "humaneval": {"humaneval": done}}.get(task)
-    if task == "humanevalplus":
-        plus = run_evalplus(done, out_dir)
-        columns = {"humaneval": done,
-                   "humaneval+": [{**s, "passed": plus[s["id"]]["base_status"] == plus[s["id"]]["plus_status"] == "pass"}
-                                  for s in done]}
-    results = {"task": task, "model": str(model), "adapter": adapter, "limit": limit, "problems": len(problems),
-               "samples": samples, "temperature": temperature, "dtype": dtype}
-    for column, records in columns.items():
-        correct: dict[str, list[bool]] = {}
-        for record in records:
-            correct.setdefault(record["task_id"], []).append(bool(record["passed"]))
-        results[column] = pass_at_k(correct)
-    cells = " | ".join(f"{column} {k} {v['mean']:.3f} ± {1.96 * v['stderr']:.3f}"
-                       for column in columns for k, v in results[column].items())
-    write_results(out_dir, results, f"| {task} | {adapter or 'base'} | {len(problems)} | {cells} |")
-    return results
+    def summarize(done, out_dir):
+        columns = {"mbpp": {"mbpp": done}, "humaneval": {"humaneval": done}}.get(task)
+        if task == "humanevalplus":
+            plus = run_evalplus(done, out_dir)
+            columns = {"humaneval": done, "humaneval+": [
+                {**s, "passed": plus[s["id"]]["base_status"] == plus[s["id"]]["plus_status"] == "pass"} for s in done]}
+        scores = {}
+        for column, records in columns.items():
+            correct: dict[str, list[bool]] = {}
+            for record in records:
+                correct.setdefault(record["task_id"], []).append(bool(record["passed"]))
+            scores[column] = pass_at_k(correct)
+        return scores
+
+    def row(results):
+        cells = " | ".join(f"{column} {k} {ci_cell(v)}" for column in ("humaneval", "humaneval+", "mbpp")
+                           if column in results for k, v in results[column].items())
+        return f"{results['problems']} | {cells}"
+
+    return EvalTask(task, items, prompt, judge, params, summarize, row,
+                    {"limit": limit, "problems": len(problems), "samples": samples, "temperature": temperature})
+
+
+def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
+                  samples: int = 1, temperature: float = 0.0, batch: int = 8, max_tokens: int = 512,
+                  dtype: str = "float32", timeout: float = 10.0) -> dict:
+    return evaluate(code_task(task, limit, samples, temperature, max_tokens, timeout), model, adapter, out_dir,
+                    batch, dtype)

@@ -22,7 +22,7 @@ import yaml
 from ..errors import KvshareError
 from ..paths import data_dir
 from ..serve import SamplingParams
-from .harness import load_llm, mean_ci95, run_samples, write_results
+from .harness import EvalTask, ci_cell, evaluate, mean_ci95
 
 
 def lm_eval_gsm8k_config() -> dict:
@@ -75,41 +75,40 @@ def load_split(split: str) -> list[dict]:
     return [{"id": f"gsm8k-{split}-{i}", **row} for i, row in enumerate(rows)]
 
 
-def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
-                   shots: int = 0, batch: int = 8, max_tokens: int = 256, prompt_format: str = "chat",
-                   dtype: str = "float32") -> dict:
+def gsm8k_task(limit: int | None = None, shots: int = 0, max_tokens: int = 256,
+               prompt_format: str = "chat") -> EvalTask:
     if prompt_format not in ("chat", "plain"):
         raise KvshareError(f"unknown prompt format {prompt_format!r} (chat or plain)")
     scorer = Scorer()
-    llm, name = load_llm(model, adapter, dtype=dtype)
     test = load_split("test")[:limit] if limit else load_split("test")
     examples = load_split("train")[:shots] if shots else []
 
-    def plain(item):
-        text = "".join(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n" for ex in examples)
-        return llm.engine.tokenizer.encode(f"{text}Question: {item['question']}\nAnswer:", add_special_tokens=False)
-
-    def prompt(item):
+    def prompt(engine, item, adapter):
         if prompt_format == "plain":
-            return plain(item)
+            text = "".join(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n" for ex in examples)
+            return engine.tokenizer.encode(f"{text}Question: {item['question']}\nAnswer:", add_special_tokens=False)
         messages = []
         for ex in examples:
             messages += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]
         messages.append({"role": "user", "content": item["question"]})
-        return llm.engine.chat_prompt(messages, name)
+        return engine.chat_prompt(messages, adapter)
 
     def judge(item, text):
-        verdict = scorer(text, item["answer"])
-        return {"reference": item["answer"].split("####")[-1].strip(), **verdict}
+        return {"reference": item["answer"].split("####")[-1].strip(), **scorer(text, item["answer"])}
+
+    def summarize(samples, _out_dir):
+        return {f: mean_ci95([s[f]["correct"] for s in samples]) for f in scorer.filters}
+
+    def row(results):
+        return (f"{shots}-shot {prompt_format} | {results['strict-match']['n']} | strict {ci_cell(results['strict-match'])} "
+                f"| flexible {ci_cell(results['flexible-extract'])}")
 
     stops = lm_eval_gsm8k_config()["generation_kwargs"]["until"]
-    params = SamplingParams(max_tokens=max_tokens, stop=stops)
-    samples = run_samples(llm, name, test, prompt, judge, params, Path(out_dir), batch, desc="gsm8k")
-    results = {"task": "gsm8k", "model": str(model), "adapter": adapter, "shots": shots, "limit": limit,
-               "prompt_format": prompt_format, "dtype": dtype,
-               **{f: mean_ci95([s[f]["correct"] for s in samples]) for f in scorer.filters}}
-    strict, flexible = results["strict-match"], results["flexible-extract"]
-    write_results(Path(out_dir), results,
-                  f"| gsm8k | {adapter or 'base'} | {shots}-shot {prompt_format} | {strict['n']} | strict {strict['mean']:.3f} "
-                  f"± {1.96 * strict['stderr']:.3f} | flexible {flexible['mean']:.3f} ± {1.96 * flexible['stderr']:.3f} |")
-    return results
+    return EvalTask("gsm8k", test, prompt, judge, SamplingParams(max_tokens=max_tokens, stop=stops), summarize, row,
+                    {"limit": limit, "shots": shots, "prompt_format": prompt_format})
+
+
+def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
+                   shots: int = 0, batch: int = 8, max_tokens: int = 256, prompt_format: str = "chat",
+                   dtype: str = "float32") -> dict:
+    return evaluate(gsm8k_task(limit, shots, max_tokens, prompt_format), model, adapter, out_dir, batch, dtype)

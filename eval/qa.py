@@ -14,7 +14,7 @@ from ..splits import SQUAD_EVAL_TITLES, require_data_dir
 from ..serve import SamplingParams
 from ..train.data import qa_prompt
 from .f1 import score
-from .harness import load_llm, mean_ci95, run_samples, write_results
+from .harness import EvalTask, ci_cell, evaluate, mean_ci95
 
 
 def load_items(dataset: str) -> list[dict]:
@@ -37,25 +37,26 @@ def load_items(dataset: str) -> list[dict]:
     raise KvshareError(f"unknown F1 data set {dataset!r} (hotpotqa or squad)")
 
 
-def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",
-                limit: int | None = None, batch: int = 8, max_tokens: int = 32, dtype: str = "float32") -> dict:
+def f1_task(dataset: str = "hotpotqa", limit: int | None = None, max_tokens: int = 32) -> EvalTask:
     items = load_items(dataset)[:limit] if limit else load_items(dataset)
-    llm, name = load_llm(model, adapter, dtype=dtype)
 
-    def prompt(item):
-        return llm.engine.chat_prompt([{"role": "user", "content": item["prompt"]}], name)
+    def prompt(engine, item, adapter):
+        return engine.chat_prompt([{"role": "user", "content": item["prompt"]}], adapter)
 
     def judge(item, text):
         answer = text.strip().split("\n")[0]
         return {"answers": item["answers"], "prediction": answer, **score(answer, item["answers"])}
 
-    samples = run_samples(llm, name, items, prompt, judge, SamplingParams(max_tokens=max_tokens),
-                          Path(out_dir), batch, desc=f"f1 {dataset}")
-    results = {"task": f"f1-{dataset}", "model": str(model), "adapter": adapter, "limit": limit, "dtype": dtype,
-               "f1": mean_ci95([s["f1"] for s in samples]),
-               "exact_match": mean_ci95([s["exact_match"] for s in samples])}
-    f1, em = results["f1"], results["exact_match"]
-    write_results(Path(out_dir), results,
-                  f"| f1-{dataset} | {adapter or 'base'} | {f1['n']} | F1 {f1['mean']:.3f} ± {1.96 * f1['stderr']:.3f} "
-                  f"| EM {em['mean']:.3f} ± {1.96 * em['stderr']:.3f} |")
-    return results
+    def summarize(samples, _out_dir):
+        return {"f1": mean_ci95([s["f1"] for s in samples]), "exact_match": mean_ci95([s["exact_match"] for s in samples])}
+
+    def row(results):
+        return f"{results['f1']['n']} | F1 {ci_cell(results['f1'])} | EM {ci_cell(results['exact_match'])}"
+
+    return EvalTask(f"f1-{dataset}", items, prompt, judge, SamplingParams(max_tokens=max_tokens), summarize, row,
+                    {"limit": limit})
+
+
+def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",
+                limit: int | None = None, batch: int = 8, max_tokens: int = 32, dtype: str = "float32") -> dict:
+    return evaluate(f1_task(dataset, limit, max_tokens), model, adapter, out_dir, batch, dtype)

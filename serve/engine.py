@@ -276,14 +276,16 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 adapter: str | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; ``params`` is one for all or one per prompt (as in vLLM)."""
+                 adapter: str | None | list[str | None] = None) -> list[RequestOutput]:
+        """Run prompts to completion, all in flight together. ``params`` and ``adapter`` are
+        one for all or one per prompt (as in vLLM)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise KvshareError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, s, adapter=adapter) for p, s in zip(prompts, per_prompt)]
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        if not len(per_prompt) == len(adapters) == len(prompts):
+            raise KvshareError(f"{len(prompts)} prompts need as many sampling params and adapters")
+        ids = [self.engine.add_request(p, s, adapter=a) for p, s, a in zip(prompts, per_prompt, adapters)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
