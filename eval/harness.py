@@ -84,8 +84,9 @@ def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batc
                 params = [task.params(item) if callable(task.params) else task.params for item, _ in chunk]
                 outputs = llm.generate(prompts, params, adapter=[a for _, a in chunk])
                 for (item, adapter), prompt, out in zip(chunk, prompts, outputs):
-                    record = {"id": item["id"], "prompt": llm.engine.tokenizer.decode(prompt),
-                              "output": out.text, **task.judge(item, out.text)}
+                    record = {"id": item["id"], "prompt": llm.engine.tokenizer.decode(prompt), "output": out.text,
+                              "prompt_tokens": len(prompt), "cached_tokens": out.metrics["prompt_tokens_cached"],
+                              **task.judge(item, out.text)}
                     handles[adapter].write(json.dumps(record, ensure_ascii=False) + "\n")
                     handles[adapter].flush()
                     done[adapter][item["id"]] = record

@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import KvshareError
+from ..yamlspec import load_spec
 from ..sharing import AdapterKind, sharing_rule
 
 DEFAULT_TARGETS = {
@@ -128,38 +127,4 @@ class Recipe(_Strict):
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem is one clear KvshareError."""
-    path = Path(path)
-    if not path.is_file():
-        raise KvshareError(f"{path}: no such recipe file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise KvshareError(f"{path}: malformed YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(data, dict):
-        raise KvshareError(f"{path}: a recipe is a mapping of keys to values")
-    for item in overrides or []:
-        _apply_override(data, item)
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown key"
-        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise KvshareError(f"{path}: {where}: {message}{more}") from None
-
-
-def _apply_override(data: dict, item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep or not key:
-        raise KvshareError(f"override {item!r} is not of the form key=value")
-    value = yaml.safe_load(raw) if raw else None
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise KvshareError(f"override {item!r}: {part} is not a section")
-    node[parts[-1]] = value
+    return load_spec(path, Recipe, "recipe", overrides)

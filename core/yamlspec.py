@@ -1,0 +1,53 @@
+"""Typed YAML files (training recipes, evaluation suites): read, override, validate, and turn
+every problem into one clear KvshareError naming the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import KvshareError
+
+Spec = TypeVar("Spec", bound=BaseModel)
+
+
+def load_spec(path: str | Path, model: type[Spec], what: str, overrides: list[str] | None = None) -> Spec:
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such {what} file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise KvshareError(f"{path}: malformed YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise KvshareError(f"{path}: a {what} is a mapping of keys to values")
+    for item in overrides or []:
+        apply_override(data, item)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key"
+        more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise KvshareError(f"{path}: {where}: {message}{more}") from None
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Set a dotted key from ``key=value`` (value parsed as YAML), e.g. ``train.lr=1e-4``."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise KvshareError(f"override {item!r} is not of the form key=value")
+    value = yaml.safe_load(raw) if raw else None
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise KvshareError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value
