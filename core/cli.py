@@ -167,6 +167,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch,
                     dtype=args.dtype, max_tokens=args.max_tokens or 32)
+    elif args.task == "suite":
+        from .eval.suite import run_suite
+
+        if not args.spec:
+            raise KvshareError("kvshare eval suite needs --spec SUITE.yaml")
+        report = run_suite(args.spec, args.out)
+        print(report["quality_md"] + "\n" + report["orchestration_md"], end="")
+        return 0
     else:
         from .eval.code import evaluate_code
 
@@ -332,9 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="score the base or an adapter through the engine",
                        description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
                        "and flexible-extract), f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD), "
-                       "humaneval / humanevalplus / mbpp (programs executed out of process; pass@k). "
+                       "humaneval / humanevalplus / mbpp (programs executed out of process; pass@k), "
+                       "or a whole suite (per-kind quality and the orchestrated multi-adapter system). "
                        "Resumable: finished samples in OUT/samples.jsonl are kept.")
-    p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp"])
+    p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp", "suite"],
+                   help="a benchmark, or 'suite': the quality and orchestration tables from --spec")
+    p.add_argument("--spec", metavar="SUITE.yaml", help="suite: systems of adapters and limits "
+                   "(see results/quality/suite.yaml)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--adapter", metavar="NAME_OR_DIR", help="exported adapter folder (default: the base)")
     p.add_argument("--limit", type=int, help="first N examples only")

@@ -1,0 +1,175 @@
+"""The quality suite: per-task quality of each adapter kind, and the orchestrated system
+(the ICaRus paper's Table 4), from one YAML spec.
+
+Each *system* is one served engine holding the base and three specialists of one kind (math,
+code, QA). For every benchmark, the system's adapters run on the same items in the same
+batches (the specialist, plus the other two when ``cross`` names the system), so adapters
+that may share KV really do: ICaRus reuses the base's prompt KV for every adapter, aLoRA up
+to its invocation, conventional LoRA nothing. Routing sends each benchmark to its specialist.
+
+Outputs (in ``--out``): ``samples/<system>/<adapter>/<task>/`` (resumable logs and scores of
+each run), ``quality.json`` + ``quality.md`` (the specialists on their own tasks, with 95%
+intervals, and whether ICaRus lies within LoRA's interval), ``orchestration.json`` +
+``orchestration.md`` (base, single adapters on every task, routed systems, KV-sharing
+column, average). A rerun reuses every finished sample, so an interrupted suite continues and
+a finished one just rebuilds its tables.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..sharing import sharing_rule
+from ..yamlspec import load_spec
+from .code import code_task
+from .gsm8k import gsm8k_task
+from .harness import EvalTask, ci_cell, load_llm, run_samples, score
+from .qa import f1_task
+
+DOMAINS = {"math": "gsm8k", "code": "humanevalplus", "qa": "f1-hotpotqa"}
+# (task, metric path, column title): what the tables show
+COLUMNS = [("gsm8k", ("flexible-extract",), "GSM8K"), ("gsm8k", ("strict-match",), "GSM8K strict"),
+           ("humanevalplus", ("humaneval", "pass@1"), "HumanEval"), ("humanevalplus", ("humaneval+", "pass@1"), "HumanEval+"),
+           ("f1-hotpotqa", ("f1",), "HotpotQA F1")]
+HEADLINE = ["GSM8K", "HumanEval", "HumanEval+", "HotpotQA F1"]  # averaged in the orchestration table
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Limits(_Strict):
+    gsm8k: int | None = Field(250, ge=1)  # test problems (first N); None = all 1,319
+    humanevalplus: int | None = Field(None, ge=1)  # None = all 164
+    hotpotqa: int | None = Field(100, ge=1)  # dev_hard_500 questions (first N)
+
+
+class MaxTokens(_Strict):
+    gsm8k: int = Field(256, ge=1)
+    humanevalplus: int = Field(512, ge=1)
+    hotpotqa: int = Field(32, ge=1)
+
+
+class SystemSpec(_Strict):
+    math: str
+    code: str
+    qa: str
+
+
+class SuiteSpec(_Strict):
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    batch: int = Field(8, ge=1)
+    kv_cache_tokens: int = Field(65536, ge=1024)
+    limits: Limits = Limits()
+    max_tokens: MaxTokens = MaxTokens()
+    systems: dict[str, SystemSpec]  # e.g. icarus / alora / lora, each with its three specialists
+    cross: list[str] = []  # systems whose adapters also run on the other domains' tasks
+    base: bool = True  # also score the base model on every task
+
+
+def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
+    limits, lengths = spec.limits, spec.max_tokens
+    return {"gsm8k": gsm8k_task(limit=limits.gsm8k, max_tokens=lengths.gsm8k),
+            "humanevalplus": code_task("humanevalplus", limit=limits.humanevalplus, max_tokens=lengths.humanevalplus),
+            "f1-hotpotqa": f1_task("hotpotqa", limit=limits.hotpotqa, max_tokens=lengths.hotpotqa)}
+
+
+def run_suite(spec_path: str | Path, out: str | Path) -> dict:
+    spec = load_spec(spec_path, SuiteSpec, "evaluation suite")
+    out = Path(out)
+    tasks = build_tasks(spec)
+    scores: dict[tuple[str, str], dict] = {}  # (row label, task) -> results
+    kinds: dict[str, str] = {}
+    if spec.base:
+        llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
+        for name, task in tasks.items():
+            folder = out / "samples" / "base" / name
+            samples = run_samples(llm, task, {None: folder}, spec.batch)[None]
+            scores[("base", name)] = score(task, samples, folder, spec.model, None, {"dtype": spec.dtype})
+        del llm
+    sharing: dict[str, dict] = {}
+    for system, adapters in spec.systems.items():
+        llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
+        names = {domain: llm.engine.load_adapter(getattr(adapters, domain), name=f"{domain}-{system}")
+                 for domain in DOMAINS}
+        kinds[system] = llm.engine.adapters.get(names["math"]).kind.value
+        prompt, cached = 0, 0
+        for domain, task_name in DOMAINS.items():
+            task = tasks[task_name]
+            runs = [d for d in DOMAINS if d == domain or system in spec.cross]
+            folders = {names[d]: out / "samples" / system / names[d] / task_name for d in runs}
+            results = run_samples(llm, task, folders, spec.batch)
+            for d in runs:
+                samples = results[names[d]]
+                scores[(names[d], task_name)] = score(task, samples, folders[names[d]], spec.model,
+                                                      getattr(adapters, d), {"dtype": spec.dtype})
+                prompt += sum(s["prompt_tokens"] for s in samples)
+                cached += sum(s["cached_tokens"] for s in samples)
+        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
+                           "prompt_tokens": prompt, "prompt_tokens_from_cache": cached,
+                           "cached_fraction": cached / prompt if prompt else 0.0}
+        del llm
+    report = tables(spec, scores, kinds, sharing)
+    (out / "quality.json").write_text(json.dumps(report["quality"], indent=1))
+    (out / "quality.md").write_text(report["quality_md"])
+    (out / "orchestration.json").write_text(json.dumps(report["orchestration"], indent=1))
+    (out / "orchestration.md").write_text(report["orchestration_md"])
+    return report
+
+
+def _metric(results: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        results = results[key]
+    return results
+
+
+def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[str, dict]) -> dict:
+    # quality: each kind's specialist on its own task (and the base), with intervals
+    quality = {"settings": spec.model_dump(), "rows": {}, "icarus_vs_lora": {}}
+    lines = ["| system | " + " | ".join(title for _, _, title in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    rows = ([("base", {d: "base" for d in DOMAINS})] if spec.base else []) + \
+        [(system, {d: f"{d}-{system}" for d in DOMAINS}) for system in spec.systems]
+    task_domain = {task: domain for domain, task in DOMAINS.items()}
+    for label, by_domain in rows:
+        row = {title: _metric(scores[(by_domain[task_domain[task]], task)], path) for task, path, title in COLUMNS}
+        quality["rows"][label] = row
+        lines.append(f"| {label} | " + " | ".join(ci_cell(row[title]) for _, _, title in COLUMNS) + " |")
+    by_kind = {kinds[s]: s for s in spec.systems}
+    if "icarus" in by_kind and "lora" in by_kind:
+        lines += ["", "ICaRus within the 95% interval of LoRA (same task, same examples):", ""]
+        for _, _, title in COLUMNS:
+            icarus, lora = quality["rows"][by_kind["icarus"]][title], quality["rows"][by_kind["lora"]][title]
+            # None when LoRA's interval is undefined (a single example)
+            inside = None if lora["stderr"] != lora["stderr"] else lora["ci95"][0] <= icarus["mean"] <= lora["ci95"][1]
+            quality["icarus_vs_lora"][title] = {"icarus": icarus["mean"], "lora": lora["mean"],
+                                                "lora_ci95": lora["ci95"], "within": inside}
+            verdict = {True: "within", False: "outside", None: "undetermined (one example)"}[inside]
+            lines.append(f"- {title}: ICaRus {icarus['mean']:.3f} vs LoRA {ci_cell(lora)}: {verdict}")
+    # orchestration: base, single adapters on every task, routed systems, KV sharing, average
+    orchestration = {"rows": []}
+    head = ["| row | " + " | ".join(HEADLINE) + " | average | KV sharing |", "|---" * (len(HEADLINE) + 3) + "|"]
+    titles = {title: (task, path) for task, path, title in COLUMNS}
+
+    def add(label: str, pick, kv: str) -> None:
+        values = {t: _metric(scores[(pick(titles[t][0]), titles[t][0])], titles[t][1])["mean"] for t in HEADLINE}
+        average = sum(values.values()) / len(values)
+        orchestration["rows"].append({"row": label, **values, "average": average, "kv_sharing": kv})
+        head.append(f"| {label} | " + " | ".join(f"{values[t]:.3f}" for t in HEADLINE) + f" | {average:.3f} | {kv} |")
+
+    if spec.base:
+        add("base", lambda task: "base", "-")
+    for system in spec.systems:
+        if system in spec.cross:
+            for domain in DOMAINS:
+                add(f"{domain}-{system} alone", lambda task, d=domain: f"{d}-{system}", "-")
+    for system in spec.systems:
+        share = sharing[system]
+        kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache"
+        add(f"{system} (routed: {', '.join(DOMAINS)})", lambda task: f"{task_domain[task]}-{system}", kv)
+    orchestration["sharing"] = sharing
+    return {"quality": quality, "quality_md": "\n".join(lines) + "\n",
+            "orchestration": orchestration, "orchestration_md": "\n".join(head) + "\n"}

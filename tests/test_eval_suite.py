@@ -1,0 +1,77 @@
+"""The quality suite on a tiny model: every system of adapters is scored on every task, the
+tables come out, and the KV-sharing column shows each kind's rule at work (ICaRus and aLoRA
+adapters reuse each other's prompt KV, LoRA adapters never do). A rerun regenerates nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+pytest.importorskip("evalplus")
+
+from kvshare.eval.suite import run_suite  # noqa: E402
+from kvshare.export import export_adapter  # noqa: E402
+from kvshare.testing import ICARUS_TARGETS, make_peft_adapter, make_tiny_model  # noqa: E402
+
+INVOCATIONS = {"math": "<|im_start|>math<|im_end|>", "code": "<|im_start|>code<|im_end|>",
+               "qa": "<|im_start|>qa<|im_end|>"}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("suite")
+    base = make_tiny_model(root / "base", max_position_embeddings=8192)  # HotpotQA: ~6k tiny-BPE tokens
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    targets = {"icarus": ICARUS_TARGETS, "alora": ["q_proj", "k_proj", "v_proj"], "lora": ["q_proj", "v_proj"]}
+    systems = {}
+    for seed, kind in enumerate(targets):
+        systems[kind] = {}
+        for offset, domain in enumerate(INVOCATIONS):
+            invocation = INVOCATIONS[domain] if kind == "alora" else None
+            tokens = tokenizer.encode(invocation, add_special_tokens=False) if invocation else None
+            ckpt = make_peft_adapter(base, root / f"ckpt-{domain}-{kind}", target_modules=targets[kind],
+                                     invocation_tokens=tokens, seed=10 * seed + offset)
+            systems[kind][domain] = str(export_adapter(ckpt, kind=kind, base=base, out=root / f"{domain}-{kind}",
+                                                       invocation=invocation))
+    spec = {"model": str(base), "dtype": "float32", "batch": 2, "kv_cache_tokens": 65536,
+            "limits": {"gsm8k": 2, "humanevalplus": 1, "hotpotqa": 1},
+            "max_tokens": {"gsm8k": 8, "humanevalplus": 8, "hotpotqa": 4}, "systems": systems,
+            "cross": ["icarus", "alora", "lora"]}
+    (root / "suite.yaml").write_text(yaml.safe_dump(spec))
+    return root
+
+
+def test_suite_scores_every_system_and_shows_each_kinds_sharing(suite):
+    report = run_suite(suite / "suite.yaml", suite / "out")
+    quality = json.loads((suite / "out" / "quality.json").read_text())
+    assert set(quality["rows"]) == {"base", "icarus", "alora", "lora"}
+    assert set(quality["icarus_vs_lora"]) == {"GSM8K", "GSM8K strict", "HumanEval", "HumanEval+", "HotpotQA F1"}
+    assert all(row["GSM8K"]["n"] == 2 and row["HotpotQA F1"]["n"] == 1 for row in quality["rows"].values())
+    rows = [r["row"] for r in report["orchestration"]["rows"]]
+    assert rows[0] == "base" and len(rows) == 1 + 9 + 3  # base, nine single adapters, three routed systems
+    sharing = report["orchestration"]["sharing"]
+    # three ICaRus adapters on the same prompts: two of every three prompts come from cache;
+    # aLoRA shares up to each adapter's invocation; LoRA adapters reuse only their own KV
+    # (the chat template's common head), never each other's
+    assert sharing["icarus"]["cached_fraction"] > 0.6 and sharing["alora"]["cached_fraction"] > 0.6
+    assert sharing["lora"]["cached_fraction"] < 0.1
+    assert "| icarus (routed: math, code, qa) |" in (suite / "out" / "orchestration.md").read_text()
+    samples = sorted((suite / "out" / "samples").rglob("samples.jsonl"))
+    assert len(samples) == 3 + 27
+    before = {p: p.read_text() for p in samples}
+    again = run_suite(suite / "suite.yaml", suite / "out")
+    assert {p: p.read_text() for p in samples} == before
+    assert json.dumps(again["quality"]) == json.dumps(report["quality"])
+
+
+def test_bad_suite_specs_are_one_line_errors(tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    (tmp_path / "bad.yaml").write_text("systems: {icarus: {math: a, code: b}}\n")
+    assert_one_line_error(cli("eval", "suite", "--spec", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")),
+                          "systems.icarus.qa")
+    assert_one_line_error(cli("eval", "suite", "--out", str(tmp_path / "o")), "--spec")
