@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,9 +55,10 @@ class MaxTokens(_Strict):
 
 
 class SystemSpec(_Strict):
-    math: str
-    code: str
-    qa: str
+    """A system's specialists (adapter folders); one not trained yet may be left out."""
+    math: str | None = None
+    code: str | None = None
+    qa: str | None = None
 
 
 class SuiteSpec(_Strict):
@@ -69,13 +71,16 @@ class SuiteSpec(_Strict):
     systems: dict[str, SystemSpec]  # e.g. icarus / alora / lora, each with its three specialists
     cross: list[str] = []  # systems whose adapters also run on the other domains' tasks
     base: bool = True  # also score the base model on every task
+    tasks: list[Literal["gsm8k", "humanevalplus", "f1-hotpotqa"]] = list(DOMAINS.values())  # run only these
 
 
 def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
     limits, lengths = spec.limits, spec.max_tokens
-    return {"gsm8k": gsm8k_task(limit=limits.gsm8k, max_tokens=lengths.gsm8k),
-            "humanevalplus": code_task("humanevalplus", limit=limits.humanevalplus, max_tokens=lengths.humanevalplus),
-            "f1-hotpotqa": f1_task("hotpotqa", limit=limits.hotpotqa, max_tokens=lengths.hotpotqa)}
+    builders = {"gsm8k": lambda: gsm8k_task(limit=limits.gsm8k, max_tokens=lengths.gsm8k),
+                "humanevalplus": lambda: code_task("humanevalplus", limit=limits.humanevalplus,
+                                                   max_tokens=lengths.humanevalplus),
+                "f1-hotpotqa": lambda: f1_task("hotpotqa", limit=limits.hotpotqa, max_tokens=lengths.hotpotqa)}
+    return {name: builders[name]() for name in DOMAINS.values() if name in spec.tasks}
 
 
 def run_suite(spec_path: str | Path, out: str | Path) -> dict:
@@ -84,36 +89,44 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
     tasks = build_tasks(spec)
     scores: dict[tuple[str, str], dict] = {}  # (row label, task) -> results
     kinds: dict[str, str] = {}
+    sharing: dict[str, dict] = {}
+
+    def evaluate_together(llm, task_name: str, adapters: dict[str | None, str | None], system: str) -> list[dict]:
+        """Run adapters (engine name -> folder; None = base) on one task at once; keep scores."""
+        task = tasks[task_name]
+        folders = {name: out / "samples" / system / (name or "base") / task_name for name in adapters}
+        results = run_samples(llm, task, folders, spec.batch)
+        for name, folder in folders.items():
+            scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name],
+                                                        {"dtype": spec.dtype})
+        return [sample for samples in results.values() for sample in samples]
+
     if spec.base:
         llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
-        for name, task in tasks.items():
-            folder = out / "samples" / "base" / name
-            samples = run_samples(llm, task, {None: folder}, spec.batch)[None]
-            scores[("base", name)] = score(task, samples, folder, spec.model, None, {"dtype": spec.dtype})
+        for task_name in tasks:
+            evaluate_together(llm, task_name, {None: None}, "base")
         del llm
-    sharing: dict[str, dict] = {}
     for system, adapters in spec.systems.items():
+        folders = {d: getattr(adapters, d) for d in DOMAINS if getattr(adapters, d)}
+        if not folders:
+            continue
         llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
-        names = {domain: llm.engine.load_adapter(getattr(adapters, domain), name=f"{domain}-{system}")
-                 for domain in DOMAINS}
-        kinds[system] = llm.engine.adapters.get(names["math"]).kind.value
-        prompt, cached = 0, 0
+        names = {d: llm.engine.load_adapter(folder, name=f"{d}-{system}") for d, folder in folders.items()}
+        kinds[system] = llm.engine.adapters.get(next(iter(names.values()))).kind.value
+        prompt = cached = 0
         for domain, task_name in DOMAINS.items():
-            task = tasks[task_name]
-            runs = [d for d in DOMAINS if d == domain or system in spec.cross]
-            folders = {names[d]: out / "samples" / system / names[d] / task_name for d in runs}
-            results = run_samples(llm, task, folders, spec.batch)
-            for d in runs:
-                samples = results[names[d]]
-                scores[(names[d], task_name)] = score(task, samples, folders[names[d]], spec.model,
-                                                      getattr(adapters, d), {"dtype": spec.dtype})
-                prompt += sum(s["prompt_tokens"] for s in samples)
-                cached += sum(s["cached_tokens"] for s in samples)
+            runs = [d for d in names if d == domain or system in spec.cross]
+            if task_name not in tasks or not runs:
+                continue
+            samples = evaluate_together(llm, task_name, {names[d]: folders[d] for d in runs}, system)
+            prompt += sum(s["prompt_tokens"] for s in samples)
+            cached += sum(s["cached_tokens"] for s in samples)
         sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
                            "prompt_tokens": prompt, "prompt_tokens_from_cache": cached,
                            "cached_fraction": cached / prompt if prompt else 0.0}
         del llm
     report = tables(spec, scores, kinds, sharing)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report["quality"], indent=1))
     (out / "quality.md").write_text(report["quality_md"])
     (out / "orchestration.json").write_text(json.dumps(report["orchestration"], indent=1))
@@ -121,28 +134,38 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
     return report
 
 
-def _metric(results: dict, path: tuple[str, ...]) -> dict:
+def _metric(scores: dict, row: str, task: str, path: tuple[str, ...]) -> dict | None:
+    """One score, or None when that run is not in the suite (yet)."""
+    results = scores.get((row, task))
     for key in path:
+        if results is None:
+            return None
         results = results[key]
     return results
 
 
+def _cell(metric: dict | None) -> str:
+    return "-" if metric is None else ci_cell(metric)
+
+
 def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[str, dict]) -> dict:
+    task_domain = {task: domain for domain, task in DOMAINS.items()}
     # quality: each kind's specialist on its own task (and the base), with intervals
     quality = {"settings": spec.model_dump(), "rows": {}, "icarus_vs_lora": {}}
     lines = ["| system | " + " | ".join(title for _, _, title in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    rows = ([("base", {d: "base" for d in DOMAINS})] if spec.base else []) + \
-        [(system, {d: f"{d}-{system}" for d in DOMAINS}) for system in spec.systems]
-    task_domain = {task: domain for domain, task in DOMAINS.items()}
-    for label, by_domain in rows:
-        row = {title: _metric(scores[(by_domain[task_domain[task]], task)], path) for task, path, title in COLUMNS}
+    labels = (["base"] if spec.base else []) + list(spec.systems)
+    for label in labels:
+        row = {title: _metric(scores, "base" if label == "base" else f"{task_domain[task]}-{label}", task, path)
+               for task, path, title in COLUMNS}
         quality["rows"][label] = row
-        lines.append(f"| {label} | " + " | ".join(ci_cell(row[title]) for _, _, title in COLUMNS) + " |")
-    by_kind = {kinds[s]: s for s in spec.systems}
+        lines.append(f"| {label} | " + " | ".join(_cell(row[title]) for _, _, title in COLUMNS) + " |")
+    by_kind = {kind: system for system, kind in kinds.items()}
     if "icarus" in by_kind and "lora" in by_kind:
         lines += ["", "ICaRus within the 95% interval of LoRA (same task, same examples):", ""]
         for _, _, title in COLUMNS:
             icarus, lora = quality["rows"][by_kind["icarus"]][title], quality["rows"][by_kind["lora"]][title]
+            if icarus is None or lora is None:
+                continue
             # None when LoRA's interval is undefined (a single example)
             inside = None if lora["stderr"] != lora["stderr"] else lora["ci95"][0] <= icarus["mean"] <= lora["ci95"][1]
             quality["icarus_vs_lora"][title] = {"icarus": icarus["mean"], "lora": lora["mean"],
@@ -150,15 +173,21 @@ def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[s
             verdict = {True: "within", False: "outside", None: "undetermined (one example)"}[inside]
             lines.append(f"- {title}: ICaRus {icarus['mean']:.3f} vs LoRA {ci_cell(lora)}: {verdict}")
     # orchestration: base, single adapters on every task, routed systems, KV sharing, average
-    orchestration = {"rows": []}
+    orchestration = {"rows": [], "sharing": sharing}
     head = ["| row | " + " | ".join(HEADLINE) + " | average | KV sharing |", "|---" * (len(HEADLINE) + 3) + "|"]
     titles = {title: (task, path) for task, path, title in COLUMNS}
 
-    def add(label: str, pick, kv: str) -> None:
-        values = {t: _metric(scores[(pick(titles[t][0]), titles[t][0])], titles[t][1])["mean"] for t in HEADLINE}
-        average = sum(values.values()) / len(values)
+    def add(label: str, row_of, kv: str) -> None:
+        values = {}
+        for title in HEADLINE:
+            task, path = titles[title]
+            metric = _metric(scores, row_of(task), task, path)
+            values[title] = None if metric is None else metric["mean"]
+        known = [v for v in values.values() if v is not None]
+        average = sum(known) / len(known) if len(known) == len(values) else None
         orchestration["rows"].append({"row": label, **values, "average": average, "kv_sharing": kv})
-        head.append(f"| {label} | " + " | ".join(f"{values[t]:.3f}" for t in HEADLINE) + f" | {average:.3f} | {kv} |")
+        cells = ["-" if v is None else f"{v:.3f}" for v in (*values.values(), average)]
+        head.append(f"| {label} | " + " | ".join(cells) + f" | {kv} |")
 
     if spec.base:
         add("base", lambda task: "base", "-")
@@ -166,10 +195,9 @@ def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[s
         if system in spec.cross:
             for domain in DOMAINS:
                 add(f"{domain}-{system} alone", lambda task, d=domain: f"{d}-{system}", "-")
-    for system in spec.systems:
+    for system in sharing:
         share = sharing[system]
         kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache"
         add(f"{system} (routed: {', '.join(DOMAINS)})", lambda task: f"{task_domain[task]}-{system}", kv)
-    orchestration["sharing"] = sharing
     return {"quality": quality, "quality_md": "\n".join(lines) + "\n",
             "orchestration": orchestration, "orchestration_md": "\n".join(head) + "\n"}

@@ -68,10 +68,23 @@ def test_suite_scores_every_system_and_shows_each_kinds_sharing(suite):
     assert json.dumps(again["quality"]) == json.dumps(report["quality"])
 
 
+def test_a_partial_suite_fills_what_exists(suite, tmp_path):
+    spec = yaml.safe_load((suite / "suite.yaml").read_text())
+    spec["systems"] = {"icarus": {"math": spec["systems"]["icarus"]["math"]},
+                       "lora": {"math": spec["systems"]["lora"]["math"]}}
+    spec.update(tasks=["gsm8k"], cross=[], base=False)
+    (tmp_path / "partial.yaml").write_text(yaml.safe_dump(spec))
+    report = run_suite(tmp_path / "partial.yaml", tmp_path / "out")
+    assert report["quality"]["rows"]["icarus"]["GSM8K"]["n"] == 2
+    assert report["quality"]["rows"]["icarus"]["HotpotQA F1"] is None
+    assert set(report["quality"]["icarus_vs_lora"]) == {"GSM8K", "GSM8K strict"}
+    assert "| icarus (routed: math, code, qa) | 0.000 | - | - | - | - |" in report["orchestration_md"]
+
+
 def test_bad_suite_specs_are_one_line_errors(tmp_path, cli):
     from conftest import assert_one_line_error
 
-    (tmp_path / "bad.yaml").write_text("systems: {icarus: {math: a, code: b}}\n")
+    (tmp_path / "bad.yaml").write_text("systems: {icarus: {math: a, poetry: b}}\n")
     assert_one_line_error(cli("eval", "suite", "--spec", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")),
-                          "systems.icarus.qa")
+                          "systems.icarus.poetry", "unknown key")
     assert_one_line_error(cli("eval", "suite", "--out", str(tmp_path / "o")), "--spec")
