@@ -94,3 +94,15 @@ def test_our_gsm8k_score_equals_lm_evals_through_the_kvshare_model(smollm2_dir, 
         assert ours[name]["stderr"] == pytest.approx(scores[f"exact_match_stderr,{name}"])
     # something was actually extracted, so the comparison is not between two empty columns
     assert any(s["flexible-extract"]["extracted"] != "[invalid]" for s in samples)
+
+
+def test_kvshare_lm_eval_command_runs_lm_evals_cli_with_our_model_and_tasks(tiny_models, tmp_path, cli):
+    listing = cli("lm-eval", "ls", "tasks")
+    assert listing.code == 0 and "gsm8k_kvshare" in listing.out
+    assert cli("lm-eval", "--help").code == 0
+    base = tiny_models("llama")
+    run = cli("lm-eval", "--model", "kvshare", "--model_args", f"pretrained={base}", "--tasks", "gsm8k_kvshare",
+              "--num_fewshot", "1", "--limit", "2", "--gen_kwargs", "max_gen_toks=4", "--output_path", str(tmp_path))
+    assert run.code == 0, run.err
+    [results] = list(tmp_path.rglob("results_*.json"))
+    assert json.loads(results.read_text())["results"]["gsm8k_kvshare"]["sample_len"] == 2
