@@ -127,9 +127,14 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
         request = out_dir / "evalplus-request.jsonl"
         request.write_text("".join(json.dumps(t) + "\n" for t in todo))
         env = {**os.environ, "HUMANEVAL_OVERRIDE_PATH": str(humanevalplus_path())}
-        result = subprocess.run([sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
-                                env=env, timeout=timeout)
-        request.unlink()
+        try:
+            result = subprocess.run([sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
+                                    env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise KvshareError(f"the EvalPlus checker ran over {timeout:.0f} s; rerun to continue "
+                               "(finished verdicts are kept)") from None
+        finally:
+            request.unlink(missing_ok=True)
         if result.returncode != 0:
             raise KvshareError(f"the EvalPlus checker failed (exit {result.returncode}); see its output above")
         done = {r["id"]: r for r in map(json.loads, log.read_text().splitlines()) if r}
