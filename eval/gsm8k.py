@@ -82,11 +82,12 @@ def gsm8k_task(limit: int | None = None, shots: int = 0, max_tokens: int = 256,
     scorer = Scorer()
     test = load_split("test")[:limit] if limit else load_split("test")
     examples = load_split("train")[:shots] if shots else []
+    plain_shots = "".join(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n" for ex in examples)
 
     def prompt(engine, item, adapter):
         if prompt_format == "plain":
-            text = "".join(f"Question: {ex['question']}\nAnswer: {ex['answer']}\n\n" for ex in examples)
-            return engine.tokenizer.encode(f"{text}Question: {item['question']}\nAnswer:", add_special_tokens=False)
+            return engine.tokenizer.encode(f"{plain_shots}Question: {item['question']}\nAnswer:",
+                                           add_special_tokens=False)
         messages = []
         for ex in examples:
             messages += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]

@@ -77,17 +77,13 @@ class KvshareLM(TemplateLM):
 
     # requests -------------------------------------------------------------------------------
     def _run(self, prompts: list[list[int]], params: list[SamplingParams], desc: str, disable_tqdm: bool):
-        """Submit in batches of ``batch_size``, step the engine, return outputs in order."""
+        """Generate in batches of ``batch_size``; outputs in order."""
         outputs = []
         with tqdm(total=len(prompts), desc=desc, disable=disable_tqdm) as bar:
             for start in range(0, len(prompts), self.batch_size):
-                ids = [self.engine.add_request(p, s, adapter=self.adapter)
-                       for p, s in zip(prompts[start:start + self.batch_size], params[start:start + self.batch_size])]
-                done = {}
-                while len(done) < len(ids):
-                    done.update({o.request_id: o for o in self.engine.step() if o.finished})
-                outputs += [done[i] for i in ids]
-                bar.update(len(ids))
+                end = start + self.batch_size
+                outputs += self.llm.generate(prompts[start:end], params[start:end], adapter=self.adapter)
+                bar.update(len(prompts[start:end]))
         return outputs
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
