@@ -13,6 +13,11 @@ intervals, and whether ICaRus lies within LoRA's interval), ``orchestration.json
 ``orchestration.md`` (base, single adapters on every task, routed systems, KV-sharing
 column, average). A rerun reuses every finished sample, so an interrupted suite continues and
 a finished one just rebuilds its tables.
+
+The tables also gather runs that earlier invocations finished in the same ``--out`` folder
+(their ``results.json``), when the model, dtype, limit and generation length they record equal
+this spec's. So a suite can be run in parts, one spec per set of adapters trained so far or per
+machine, and the tables show the union; per-sample logs need not travel with the scores.
 """
 
 from __future__ import annotations
@@ -83,12 +88,42 @@ def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
     return {name: builders[name]() for name in DOMAINS.values() if name in spec.tasks}
 
 
+LIMITS = {"gsm8k": "gsm8k", "humanevalplus": "humanevalplus", "f1-hotpotqa": "hotpotqa"}  # task -> Limits field
+
+
+def run_settings(spec: SuiteSpec, task: str) -> dict:
+    """What a run's results.json must record to count as a run of this spec."""
+    field = LIMITS[task]
+    return {"task": task, "model": spec.model, "dtype": spec.dtype, "limit": getattr(spec.limits, field),
+            "max_tokens": getattr(spec.max_tokens, field)}
+
+
+def finished_runs(spec: SuiteSpec, out: Path) -> dict[tuple[str, str], dict]:
+    """Scores of runs finished earlier under ``out/samples`` for this spec's systems and settings.
+
+    ``max_tokens`` is checked only where recorded (runs before it was recorded lack it)."""
+    systems = {"base"} if spec.base else set()
+    found = {}
+    for path in sorted((out / "samples").glob("*/*/*/results.json")):
+        system, row, task = path.parts[-4:-1]
+        if task not in LIMITS or (system not in systems and system not in spec.systems):
+            continue
+        results = json.loads(path.read_text())
+        wanted = run_settings(spec, task)
+        if all(results.get(key) == value for key, value in wanted.items() if key != "max_tokens") \
+                and results.get("max_tokens", wanted["max_tokens"]) == wanted["max_tokens"]:
+            found[(row, task)] = results
+    return found
+
+
 def run_suite(spec_path: str | Path, out: str | Path) -> dict:
     spec = load_spec(spec_path, SuiteSpec, "evaluation suite")
     out = Path(out)
     tasks = build_tasks(spec)
-    scores: dict[tuple[str, str], dict] = {}  # (row label, task) -> results
-    kinds: dict[str, str] = {}
+    scores = finished_runs(spec, out)  # (row label, task) -> results; runs below replace these
+    earlier = set(scores)
+    kinds = {system: results["kind"] for (row, _), results in scores.items() if "kind" in results
+             for system in spec.systems if row.endswith(f"-{system}")}
     sharing: dict[str, dict] = {}
 
     def evaluate_together(llm, task_name: str, adapters: dict[str | None, str | None], system: str) -> list[dict]:
@@ -97,8 +132,10 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         folders = {name: out / "samples" / system / (name or "base") / task_name for name in adapters}
         results = run_samples(llm, task, folders, spec.batch)
         for name, folder in folders.items():
-            scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name],
-                                                        {"dtype": spec.dtype})
+            kind = llm.engine.adapters.get(name).kind.value if name else "base"
+            extra = {"dtype": spec.dtype, "max_tokens": run_settings(spec, task_name)["max_tokens"], "kind": kind}
+            scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name], extra)
+            earlier.discard((name or "base", task_name))
         return [sample for samples in results.values() for sample in samples]
 
     if spec.base:
@@ -122,10 +159,15 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
             prompt += sum(s["prompt_tokens"] for s in samples)
             cached += sum(s["cached_tokens"] for s in samples)
         sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
+                           "tasks": [t for d, t in DOMAINS.items() if t in tasks and (d in names or system in spec.cross)],
                            "prompt_tokens": prompt, "prompt_tokens_from_cache": cached,
                            "cached_fraction": cached / prompt if prompt else 0.0}
         del llm
     report = tables(spec, scores, kinds, sharing)
+    report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
+    if earlier:
+        report["quality_md"] += ("\nScores from runs finished by earlier invocations (same settings): "
+                                 + ", ".join(report["quality"]["from_earlier_runs"]) + ".\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.json").write_text(json.dumps(report["quality"], indent=1))
     (out / "quality.md").write_text(report["quality_md"])
@@ -197,7 +239,7 @@ def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[s
                 add(f"{domain}-{system} alone", lambda task, d=domain: f"{d}-{system}", "-")
     for system in sharing:
         share = sharing[system]
-        kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache"
+        kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache ({', '.join(share['tasks'])})"
         add(f"{system} (routed: {', '.join(DOMAINS)})", lambda task: f"{task_domain[task]}-{system}", kv)
     return {"quality": quality, "quality_md": "\n".join(lines) + "\n",
             "orchestration": orchestration, "orchestration_md": "\n".join(head) + "\n"}

@@ -88,3 +88,32 @@ def test_bad_suite_specs_are_one_line_errors(tmp_path, cli):
     assert_one_line_error(cli("eval", "suite", "--spec", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")),
                           "systems.icarus.poetry", "unknown key")
     assert_one_line_error(cli("eval", "suite", "--out", str(tmp_path / "o")), "--spec")
+
+
+def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, tmp_path):
+    spec = yaml.safe_load((suite / "suite.yaml").read_text())
+    spec.update(cross=[], base=False)
+    math_only = {**spec, "tasks": ["gsm8k"],
+                 "systems": {kind: {"math": spec["systems"][kind]["math"]} for kind in ("icarus", "lora")}}
+    qa_only = {**spec, "tasks": ["f1-hotpotqa"],
+               "systems": {kind: {"qa": spec["systems"][kind]["qa"]} for kind in ("icarus", "lora")}}
+    for name, part in (("math", math_only), ("qa", qa_only)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(part))
+    out = tmp_path / "out"
+    first = run_suite(tmp_path / "math.yaml", out)
+    second = run_suite(tmp_path / "qa.yaml", out)
+    for kind in ("icarus", "lora"):
+        assert second["quality"]["rows"][kind]["GSM8K"] == first["quality"]["rows"][kind]["GSM8K"]
+        assert second["quality"]["rows"][kind]["HotpotQA F1"]["n"] == 1
+    assert second["quality"]["from_earlier_runs"] == ["math-icarus/gsm8k", "math-lora/gsm8k"]
+    assert set(second["quality"]["icarus_vs_lora"]) == {"GSM8K", "GSM8K strict", "HotpotQA F1"}
+    assert "math-icarus/gsm8k" in (out / "quality.md").read_text()
+    assert "(f1-hotpotqa) |" in second["orchestration_md"]  # the KV column says which tasks it measured
+    recorded = json.loads((out / "samples" / "icarus" / "qa-icarus" / "f1-hotpotqa" / "results.json").read_text())
+    assert recorded["kind"] == "icarus" and recorded["max_tokens"] == spec["max_tokens"]["hotpotqa"]
+    # runs with other settings are not mixed in: another dtype, another limit, or another length
+    for change in ({"dtype": "bfloat16"}, {"limits": {**spec["limits"], "gsm8k": 1}},
+                   {"max_tokens": {**spec["max_tokens"], "gsm8k": 9}}):
+        (tmp_path / "other.yaml").write_text(yaml.safe_dump({**qa_only, **change, "tasks": []}))
+        other = run_suite(tmp_path / "other.yaml", out)
+        assert other["quality"]["rows"]["icarus"]["GSM8K"] is None, change
