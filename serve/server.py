@@ -6,10 +6,16 @@ loaded adapter. Errors use OpenAI's JSON shape: 400 invalid or oversize input, 4
 404 unknown model, 503 overloaded. With an aLoRA adapter, chat requests end with the
 adapter's invocation after the conversation, as the adapter was trained; completion prompts
 are taken as given (include the invocation to activate the adapter).
+
+``/v1/completions`` takes OpenAI's four prompt shapes (text, token ids, or a batch of either:
+one choice per prompt) and ``echo``: with ``logprobs`` the prompt tokens are scored under the
+adapter's own sharing semantics (the engine's ``prompt_logprobs``), which is how lm-eval's
+``local-completions`` model computes loglikelihoods through a server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -72,9 +78,10 @@ class _Lenient(BaseModel):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
 
 
 class ChatMessage(_Lenient):
@@ -149,14 +156,14 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             return model
         raise ApiError(404, f"model {model!r} does not exist", kind="not_found_error", param="model")
 
-    def params_of(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def params_of(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         req.check_neutral()
         if req.n != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
             raise ApiError(400, str(err)) from None
 
@@ -214,18 +221,41 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                 await stream.aclose()  # a disconnect lands here: the request is aborted
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def usage(out: RequestOutput) -> dict:
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
-                "prompt_tokens_details": {"cached_tokens": out.metrics["prompt_tokens_cached"]}}
+    def usage(outs: list[RequestOutput]) -> dict:
+        prompt, completion = sum(len(o.prompt_token_ids) for o in outs), sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in outs)}}
 
-    def logprob_block(out: RequestOutput) -> dict | None:
-        if not out.logprobs:
-            return None
+    def logprob_block(out: RequestOutput, echo: bool) -> dict:
+        """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
+        no logprob, as in OpenAI and vLLM)."""
         tok = engine.tokenizer
-        return {"tokens": [tok.decode([e["token"]]) for e in out.logprobs],
-                "token_logprobs": [e["logprob"] for e in out.logprobs],
-                "top_logprobs": [{tok.decode([t]): v for t, v in e["top"].items()} for e in out.logprobs]}
+        entries = (out.prompt_logprobs or []) if echo else []
+        tokens = out.prompt_token_ids if echo else []
+        tokens = [*tokens, *(e["token"] for e in out.logprobs)]
+        entries = [*entries, *out.logprobs]
+        return {"tokens": [tok.decode([t]) for t in tokens],
+                "token_logprobs": [e and e["logprob"] for e in entries],
+                "top_logprobs": [e and top_by_text(e["top"]) for e in entries]}
+
+    def top_by_text(top: dict[int, float]) -> dict[str, float]:
+        """OpenAI keys alternatives by text; tokens that decode alike (partial UTF-8 bytes) keep
+        the best logprob (``top`` comes best first)."""
+        by_text: dict[str, float] = {}
+        for token, logprob in top.items():
+            by_text.setdefault(engine.tokenizer.decode([token]), logprob)
+        return by_text
+
+    def prompts_of(req: CompletionRequest) -> list[list[int]]:
+        batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+            else [req.prompt]
+        if not batch:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(batch) > 1 and req.stream:
+            raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
+        if req.echo and req.stream:
+            raise ApiError(400, "echo is not supported with stream", param="echo")
+        return [p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False) for p in batch]
 
     @app.get("/health")
     async def health():
@@ -249,12 +279,23 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         adapter = resolve(req.model)
-        prompt = req.prompt if isinstance(req.prompt, list) else engine.tokenizer.encode(
-            req.prompt, add_special_tokens=False)
-        check_prompt(prompt, req.max_tokens)
-        params = params_of(req, req.max_tokens, req.logprobs)
-        first, stream = await run(prompt, params, adapter, req)
+        prompts = prompts_of(req)
+        for prompt in prompts:
+            check_prompt(prompt, req.max_tokens)
+        scored = req.logprobs if req.echo else None
+        params = params_of(req, req.max_tokens, req.logprobs, prompt_logprobs=scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            # gathered, so every prompt is queued before any finishes and they share batches
+            started = await asyncio.gather(*(run(prompt, params, adapter, req) for prompt in prompts))
+            outs = await asyncio.gather(*(collect(first, stream) for first, stream in started))
+            choices = [{"index": i, "finish_reason": out.finish_reason,
+                        "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
+                        "logprobs": None if req.logprobs is None else logprob_block(out, req.echo)}
+                       for i, out in enumerate(outs)]
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": choices, "usage": usage(outs)}
+        first, stream = await run(prompts[0], params, adapter, req)
 
         def chunk(delta, finish, opening):
             if opening:
@@ -263,13 +304,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                     "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
 
-        if req.stream:
-            return stream_events(first, stream, chunk)
-        out = await collect(first, stream)
-        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "text": out.text, "finish_reason": out.finish_reason,
-                             "logprobs": logprob_block(out)}],
-                "usage": usage(out)}
+        return stream_events(first, stream, chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
@@ -298,7 +333,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                  "top_logprobs": [{"token": tok.decode([t]), "logprob": v} for t, v in e["top"].items()]}
                 for e in out.logprobs]}
         return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [choice], "usage": usage(out)}
+                "choices": [choice], "usage": usage([out])}
 
     return app
 

@@ -160,3 +160,66 @@ def test_an_engine_failure_fails_the_request_not_the_server(client, server, monk
     out = client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert engine.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("model", ["lora-a", "icarus-a"])
+def test_echo_with_logprobs_scores_a_batch_of_prompts_as_the_engine_does(client, server, tokenizer, model):
+    """OpenAI's echo + logprobs, on a batch of token prompts: one choice per prompt, the
+    prompt's tokens first (the first without a logprob), scored like the engine's
+    prompt_logprobs (which test_engine_prompt_logprobs checks against transformers/PEFT)."""
+    prompts = prompts_for(tokenizer, 2)
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=1, logprobs=2, echo=True, temperature=0)
+    engine = server["engine"]
+    direct = LLMEngine(engine.model_dir, [engine.adapters.get(model).path], kv_cache_tokens=1024, block_size=8)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, prompt in zip(out.choices, prompts):
+        rid = direct.add_request(prompt, SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=2), adapter=model)
+        want = [o for o in _drain(direct) if o.request_id == rid][-1]
+        got = choice.logprobs
+        assert choice.text == tokenizer.decode(prompt) + want.text
+        assert len(got.tokens) == len(got.token_logprobs) == len(prompt) + 1
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        reference = [e["logprob"] for e in want.prompt_logprobs[1:]] + [want.logprobs[0]["logprob"]]
+        assert got.token_logprobs[1:] == pytest.approx(reference, abs=1e-5)
+        # keyed by text, as in OpenAI: tokens that decode alike (partial UTF-8 bytes) share a key
+        best = [max(e["top"].values()) for e in want.prompt_logprobs[1:]] + [max(want.logprobs[0]["top"].values())]
+        assert [max(top.values()) for top in got.top_logprobs[1:]] == pytest.approx(best, abs=1e-5)
+    assert out.usage.prompt_tokens == sum(len(p) for p in prompts) and out.usage.completion_tokens == 2
+
+
+def _drain(engine):
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
+def test_lm_evals_local_completions_scores_through_the_server(server, monkeypatch):
+    """lm-eval's own OpenAI-completions client, pointed at `kvshare serve`, gives the
+    loglikelihoods of the in-process kvshare lm-eval model for the same adapter."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from kvshare.eval.lm_harness import KvshareLM
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    engine = server["engine"]
+    pairs = [("The capital of France is", " Paris"), ("def add(a, b):\n    return", " a + b"), ("x", " y z w")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    remote = LocalCompletionsAPI(base_url=server["url"] + "/v1/completions", model="lora-a",
+                                 tokenizer=str(engine.model_dir), tokenizer_backend="huggingface", batch_size=2)
+    local = KvshareLM(pretrained=str(engine.model_dir), adapter=str(engine.adapters.get("lora-a").path))
+    got = remote.loglikelihood(requests, disable_tqdm=True)
+    want = local.loglikelihood(requests, disable_tqdm=True)
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+    assert [g[1] for g in got] == [w[1] for w in want]
+
+
+def test_completion_prompt_shapes_that_cannot_stream_are_400(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for body, param in (({"prompt": ["a", "b"], "stream": True}, "prompt"), ({"prompt": "a", "echo": True, "stream": True}, "echo"),
+                        ({"prompt": []}, "prompt")):
+        r = httpx.post(server["url"] + "/v1/completions", headers=headers,
+                       json={"model": "tiny-base", "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
