@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Train the nine quality-table adapters (math/qa/code x icarus/lora/alora) from the committed
 # recipes, one after another, resuming any run that was interrupted. Run from the repo root:
-#   KVSHARE_DATA=../shared/data bash results/quality/train-all.sh
+#   KVSHARE_DATA=../shared/data bash results/quality/train-all.sh [key=value ...]
+# TASKS / KINDS pick a subset; key=value overrides apply to every run (give the same ones when
+# resuming), e.g. on a CPU without bf16 instructions:
+#   TASKS=qa KINDS="icarus lora" bash results/quality/train-all.sh train.mixed_precision=no train.max_steps=40
 # Each run writes runs/<task>-<kind>/ (checkpoints, metrics.jsonl, adapter/).
 set -euo pipefail
 for task in ${TASKS:-math qa code}; do
-  for kind in icarus lora alora; do
+  for kind in ${KINDS:-icarus lora alora}; do
     run=runs/$task-$kind
     if [ -f "$run/adapter/kvshare.json" ]; then echo "== $task-$kind: done"; continue; fi
     resume=()
     if [ -d "$run/checkpoints" ] && [ -n "$(ls -A "$run/checkpoints")" ]; then resume=(--resume); fi
     echo "== $task-$kind ${resume[*]:-}"
-    kvshare train "recipes/$task-$kind.yaml" "${resume[@]}"
+    kvshare train "recipes/$task-$kind.yaml" "$@" "${resume[@]}"
   done
 done
