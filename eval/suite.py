@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sharing import sharing_rule
 from ..yamlspec import load_spec
@@ -66,9 +66,14 @@ class SystemSpec(_Strict):
     qa: str | None = None
 
 
+TaskName = Literal["gsm8k", "humanevalplus", "f1-hotpotqa"]
+
+
 class SuiteSpec(_Strict):
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    # one for every task, or per task (bfloat16 is fast only on CPUs with bf16 instructions,
+    # so parts of a suite run on different machines may differ; each run records its own)
+    dtype: str | dict[TaskName, str] = "bfloat16"
     batch: int = Field(8, ge=1)
     kv_cache_tokens: int = Field(65536, ge=1024)
     limits: Limits = Limits()
@@ -76,7 +81,24 @@ class SuiteSpec(_Strict):
     systems: dict[str, SystemSpec]  # e.g. icarus / alora / lora, each with its three specialists
     cross: list[str] = []  # systems whose adapters also run on the other domains' tasks
     base: bool = True  # also score the base model on every task
-    tasks: list[Literal["gsm8k", "humanevalplus", "f1-hotpotqa"]] = list(DOMAINS.values())  # run only these
+    tasks: list[TaskName] = list(DOMAINS.values())  # run only these
+
+    @model_validator(mode="after")
+    def _dtype_for_every_task(self):
+        if isinstance(self.dtype, dict) and set(self.dtype) != set(DOMAINS.values()):
+            missing = sorted(set(DOMAINS.values()) - set(self.dtype))
+            raise ValueError(f"dtype per task must name every task; missing: {', '.join(missing)}")
+        return self
+
+    def dtype_of(self, task: str) -> str:
+        return self.dtype if isinstance(self.dtype, str) else self.dtype[task]
+
+    def by_dtype(self, tasks) -> dict[str, list[str]]:
+        """Tasks grouped by the dtype they run in (one engine per group)."""
+        groups: dict[str, list[str]] = {}
+        for task in tasks:
+            groups.setdefault(self.dtype_of(task), []).append(task)
+        return groups
 
 
 def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
@@ -94,7 +116,7 @@ LIMITS = {"gsm8k": "gsm8k", "humanevalplus": "humanevalplus", "f1-hotpotqa": "ho
 def run_settings(spec: SuiteSpec, task: str) -> dict:
     """What a run's results.json must record to count as a run of this spec."""
     field = LIMITS[task]
-    return {"task": task, "model": spec.model, "dtype": spec.dtype, "limit": getattr(spec.limits, field),
+    return {"task": task, "model": spec.model, "dtype": spec.dtype_of(task), "limit": getattr(spec.limits, field),
             "max_tokens": getattr(spec.max_tokens, field)}
 
 
@@ -133,36 +155,38 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         results = run_samples(llm, task, folders, spec.batch)
         for name, folder in folders.items():
             kind = llm.engine.adapters.get(name).kind.value if name else "base"
-            extra = {"dtype": spec.dtype, "max_tokens": run_settings(spec, task_name)["max_tokens"], "kind": kind}
+            wanted = run_settings(spec, task_name)
+            extra = {"dtype": wanted["dtype"], "max_tokens": wanted["max_tokens"], "kind": kind}
             scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name], extra)
             earlier.discard((name or "base", task_name))
         return [sample for samples in results.values() for sample in samples]
 
     if spec.base:
-        llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
-        for task_name in tasks:
-            evaluate_together(llm, task_name, {None: None}, "base")
-        del llm
+        for dtype, group in spec.by_dtype(tasks).items():
+            llm, _ = load_llm(spec.model, None, dtype=dtype, kv_cache_tokens=spec.kv_cache_tokens)
+            for task_name in group:
+                evaluate_together(llm, task_name, {None: None}, "base")
+            del llm
     for system, adapters in spec.systems.items():
         folders = {d: getattr(adapters, d) for d in DOMAINS if getattr(adapters, d)}
-        if not folders:
+        ran = [t for d, t in DOMAINS.items() if t in tasks and (d in folders or system in spec.cross)]
+        if not folders or not ran:
             continue
-        llm, _ = load_llm(spec.model, None, dtype=spec.dtype, kv_cache_tokens=spec.kv_cache_tokens)
-        names = {d: llm.engine.load_adapter(folder, name=f"{d}-{system}") for d, folder in folders.items()}
-        kinds[system] = llm.engine.adapters.get(next(iter(names.values()))).kind.value
         prompt = cached = 0
-        for domain, task_name in DOMAINS.items():
-            runs = [d for d in names if d == domain or system in spec.cross]
-            if task_name not in tasks or not runs:
-                continue
-            samples = evaluate_together(llm, task_name, {names[d]: folders[d] for d in runs}, system)
-            prompt += sum(s["prompt_tokens"] for s in samples)
-            cached += sum(s["cached_tokens"] for s in samples)
-        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
-                           "tasks": [t for d, t in DOMAINS.items() if t in tasks and (d in names or system in spec.cross)],
+        for dtype, group in spec.by_dtype(ran).items():
+            llm, _ = load_llm(spec.model, None, dtype=dtype, kv_cache_tokens=spec.kv_cache_tokens)
+            names = {d: llm.engine.load_adapter(folder, name=f"{d}-{system}") for d, folder in folders.items()}
+            kinds[system] = llm.engine.adapters.get(next(iter(names.values()))).kind.value
+            for domain, task_name in DOMAINS.items():
+                if task_name in group:
+                    runs = [d for d in names if d == domain or system in spec.cross]
+                    samples = evaluate_together(llm, task_name, {names[d]: folders[d] for d in runs}, system)
+                    prompt += sum(s["prompt_tokens"] for s in samples)
+                    cached += sum(s["cached_tokens"] for s in samples)
+            del llm
+        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value, "tasks": ran,
                            "prompt_tokens": prompt, "prompt_tokens_from_cache": cached,
                            "cached_fraction": cached / prompt if prompt else 0.0}
-        del llm
     report = tables(spec, scores, kinds, sharing)
     report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
     if earlier:

@@ -88,6 +88,9 @@ def test_bad_suite_specs_are_one_line_errors(tmp_path, cli):
     assert_one_line_error(cli("eval", "suite", "--spec", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")),
                           "systems.icarus.poetry", "unknown key")
     assert_one_line_error(cli("eval", "suite", "--out", str(tmp_path / "o")), "--spec")
+    (tmp_path / "half.yaml").write_text("dtype: {gsm8k: float32}\nsystems: {}\n")
+    assert_one_line_error(cli("eval", "suite", "--spec", str(tmp_path / "half.yaml"), "--out", str(tmp_path / "o")),
+                          "dtype per task", "f1-hotpotqa")
 
 
 def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, tmp_path):
@@ -117,3 +120,9 @@ def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, t
         (tmp_path / "other.yaml").write_text(yaml.safe_dump({**qa_only, **change, "tasks": []}))
         other = run_suite(tmp_path / "other.yaml", out)
         assert other["quality"]["rows"]["icarus"]["GSM8K"] is None, change
+    # dtype per task: each column takes the runs made in its own dtype
+    per_task = {"gsm8k": spec["dtype"], "humanevalplus": "bfloat16", "f1-hotpotqa": "bfloat16"}
+    (tmp_path / "mixed.yaml").write_text(yaml.safe_dump({**qa_only, "dtype": per_task, "tasks": []}))
+    mixed = run_suite(tmp_path / "mixed.yaml", out)
+    assert mixed["quality"]["rows"]["lora"]["GSM8K"] == first["quality"]["rows"]["lora"]["GSM8K"]
+    assert mixed["quality"]["rows"]["lora"]["HotpotQA F1"] is None
