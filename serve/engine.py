@@ -19,6 +19,7 @@ import torch
 
 from ..errors import KvshareError
 from ..fingerprint import fingerprints
+from ..hardware import warn_if_bf16_is_slow
 from ..models import load_tokenizer, resolve_model_dir
 from ..sharing import AdapterKind
 from .adapters import AdapterSet, find_invocation_start
@@ -55,6 +56,8 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(model)
         self.model_name = str(model)
         self.dtype = DTYPES[dtype]
+        if self.dtype is torch.bfloat16:
+            warn_if_bf16_is_slow("engine dtype bfloat16")
         self.model = Model(self.model_dir, self.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.fingerprint = fingerprints(self.model_dir).base

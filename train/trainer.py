@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import KvshareError
+from ..hardware import warn_if_bf16_is_slow
 from ..models import resolve_model_dir
 from ..sharing import AdapterKind
 from . import checkpoint as ckpt
@@ -110,6 +111,8 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     # (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     # cpu=True on CPU-only machines lets torchrun-launched processes form a gloo DDP group.
+    if recipe.train.mixed_precision == "bf16":
+        warn_if_bf16_is_slow("train.mixed_precision bf16")
     accel = Accelerator(mixed_precision=recipe.train.mixed_precision, cpu=not torch.cuda.is_available())
     main = accel.is_main_process
     run_dir = Path(recipe.output_dir)

@@ -1,0 +1,24 @@
+"""A bf16 engine or training run on a CPU without bf16 instructions warns (it would run
+several times slower than float32); float32, or a CPU with bf16, stays silent."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import kvshare.hardware as hardware
+from kvshare.serve import LLMEngine
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_bf16_engine_warns_only_where_bf16_is_slow(tiny_models, monkeypatch, fast):
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast)
+    base = tiny_models("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLMEngine(base, kv_cache_tokens=256, dtype="bfloat16")
+        LLMEngine(base, kv_cache_tokens=256, dtype="float32")
+    slow = [w for w in caught if "no bfloat16 instructions" in str(w.message)]
+    assert len(slow) == (0 if fast else 1)
+
