@@ -54,6 +54,23 @@ class Scheduler:
         extra = 1 if wants_logits and (seq.is_icarus or n_compute == 0) else 0
         return n_compute + extra + len(seq.score_rows(n_compute)[1])
 
+    def _fit(self, seq: Sequence, budget: int, alone: bool) -> int:
+        """Most tokens of ``seq`` this step can compute within ``budget`` rows. Prompt scoring
+        costs more than a row per token (an ICaRus position adds its read-only adapter row;
+        positions from the prefix cache add theirs), so the chunk shrinks to fit. A sequence
+        alone in the step always gets a token, so that a backlog of read-only rows larger
+        than the budget cannot stall it (that one step runs over the budget)."""
+        todo = len(seq) - seq.num_computed
+        n = max(0, min(todo, budget - (1 if seq.is_icarus else 0)))
+        if seq.params.prompt_logprobs is not None:
+            fits = lambda k: self._rows(seq, k, seq.num_computed + k == len(seq)) <= budget  # noqa: E731
+            lo, hi = 0, n  # rows grow with the chunk: binary search for the largest that fits
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            n = lo
+        return min(todo, 1) if n == 0 and alone else n
+
     def _preempt_newest(self, keep: Sequence) -> bool:
         """Release the newest running sequence other than ``keep``; False if there is none."""
         candidates = [s for s in self.running if s is not keep]
@@ -77,7 +94,7 @@ class Scheduler:
             if budget <= 0:
                 break
             todo = len(seq) - seq.num_computed
-            n = min(todo, budget - (1 if seq.is_icarus else 0)) if todo else 0
+            n = self._fit(seq, budget, alone=not plan)
             if todo and n <= 0:
                 break
             while True:
@@ -104,7 +121,7 @@ class Scheduler:
                 seq.first_scheduled = time.perf_counter()
             seq.num_cached_prompt = max(seq.num_cached_prompt, min(seq.num_computed, len(seq.prompt)))
             todo = len(seq) - seq.num_computed
-            n = min(todo, max(budget - (1 if seq.is_icarus else 0), 0))
+            n = self._fit(seq, budget, alone=not plan)
             if todo and n == 0:
                 break
             wants = seq.num_computed + n == len(seq)

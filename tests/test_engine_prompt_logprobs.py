@@ -85,3 +85,21 @@ def test_scoring_and_generating_requests_batch_together(base, adapters, tokenize
     assert done[gen_id].token_ids == alone and done[gen_id].prompt_logprobs is None
     torch.testing.assert_close(engine_logprobs(done[score_id]), reference_logprobs(base, adapters, "icarus-a", a),
                                atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["icarus-a", "lora-a"])
+def test_scoring_steps_keep_to_the_token_budget(base, adapters, tokenizer, name, monkeypatch):
+    """ICaRus scoring costs two rows per prompt token (base row + read-only adapter row):
+    chunks shrink so that no step runs more rows than max_num_batched_tokens, and the scores
+    are unchanged."""
+    prompt = sum(prompts_for(tokenizer, 3), [])
+    budget = 8
+    llm = LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4, max_num_batched_tokens=budget)
+    sizes = []
+    forward = llm.engine.model.forward
+    monkeypatch.setattr(llm.engine.model, "forward", lambda rows, *a: sizes.append(len(rows.tokens)) or forward(rows, *a))
+    out = llm.generate([prompt], SCORE, adapter=name)[0]
+    assert max(sizes) <= budget
+    if name == "icarus-a":  # two rows per scored token, so at least twice the steps of plain prefill
+        assert len(sizes) >= 2 * (len(prompt) - 1) // budget
+    torch.testing.assert_close(engine_logprobs(out), reference_logprobs(base, adapters, name, prompt), atol=1e-4, rtol=0)
