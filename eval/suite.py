@@ -123,7 +123,7 @@ def run_settings(spec: SuiteSpec, task: str) -> dict:
 def finished_runs(spec: SuiteSpec, out: Path) -> dict[tuple[str, str], dict]:
     """Scores of runs finished earlier under ``out/samples`` for this spec's systems and settings.
 
-    ``max_tokens`` is checked only where recorded (runs before it was recorded lack it)."""
+    ``max_tokens`` is checked only where recorded (earlier results.json files lack it)."""
     systems = {"base"} if spec.base else set()
     found = {}
     for path in sorted((out / "samples").glob("*/*/*/results.json")):
@@ -131,9 +131,8 @@ def finished_runs(spec: SuiteSpec, out: Path) -> dict[tuple[str, str], dict]:
         if task not in LIMITS or (system not in systems and system not in spec.systems):
             continue
         results = json.loads(path.read_text())
-        wanted = run_settings(spec, task)
-        if all(results.get(key) == value for key, value in wanted.items() if key != "max_tokens") \
-                and results.get("max_tokens", wanted["max_tokens"]) == wanted["max_tokens"]:
+        if all(results.get(key, value if key == "max_tokens" else None) == value
+               for key, value in run_settings(spec, task).items()):
             found[(row, task)] = results
     return found
 
@@ -153,9 +152,9 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         task = tasks[task_name]
         folders = {name: out / "samples" / system / (name or "base") / task_name for name in adapters}
         results = run_samples(llm, task, folders, spec.batch)
+        wanted = run_settings(spec, task_name)
         for name, folder in folders.items():
             kind = llm.engine.adapters.get(name).kind.value if name else "base"
-            wanted = run_settings(spec, task_name)
             extra = {"dtype": wanted["dtype"], "max_tokens": wanted["max_tokens"], "kind": kind}
             scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name], extra)
             earlier.discard((name or "base", task_name))

@@ -229,14 +229,11 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     def logprob_block(out: RequestOutput, echo: bool) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
         no logprob, as in OpenAI and vLLM)."""
-        tok = engine.tokenizer
-        entries = (out.prompt_logprobs or []) if echo else []
-        tokens = out.prompt_token_ids if echo else []
-        tokens = [*tokens, *(e["token"] for e in out.logprobs)]
-        entries = [*entries, *out.logprobs]
-        return {"tokens": [tok.decode([t]) for t in tokens],
-                "token_logprobs": [e and e["logprob"] for e in entries],
-                "top_logprobs": [e and top_by_text(e["top"]) for e in entries]}
+        pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
+        pairs += [(e["token"], e) for e in out.logprobs]
+        return {"tokens": [engine.tokenizer.decode([t]) for t, _ in pairs],
+                "token_logprobs": [e and e["logprob"] for _, e in pairs],
+                "top_logprobs": [e and top_by_text(e["top"]) for _, e in pairs]}
 
     def top_by_text(top: dict[int, float]) -> dict[str, float]:
         """OpenAI keys alternatives by text; tokens that decode alike (partial UTF-8 bytes) keep
@@ -248,9 +245,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     def prompts_of(req: CompletionRequest) -> list[list[int]]:
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
-            else [req.prompt]
-        if not batch:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+            else [req.prompt]  # an empty list is one empty prompt, refused by check_prompt
         if len(batch) > 1 and req.stream:
             raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
         if req.echo and req.stream:

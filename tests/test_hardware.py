@@ -21,4 +21,3 @@ def test_bf16_engine_warns_only_where_bf16_is_slow(tiny_models, monkeypatch, fas
         LLMEngine(base, kv_cache_tokens=256, dtype="float32")
     slow = [w for w in caught if "no bfloat16 instructions" in str(w.message)]
     assert len(slow) == (0 if fast else 1)
-
