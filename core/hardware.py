@@ -23,9 +23,22 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def bf16_is_fast() -> bool:
+    """bfloat16 pays off here: a CUDA device, or a CPU with bf16 instructions."""
+    return torch.cuda.is_available() or cpu_has_fast_bf16()
+
+
+def resolve_mixed_precision(setting: str) -> str:
+    """A recipe's ``mixed_precision`` as accelerate takes it: ``auto`` becomes ``bf16`` where
+    bfloat16 is fast and ``no`` elsewhere, so one recipe trains at full speed on either machine."""
+    if setting == "auto":
+        return "bf16" if bf16_is_fast() else "no"
+    return setting
+
+
 def warn_if_bf16_is_slow(what: str) -> None:
     """Warn (once per call site's message) when bfloat16 would run on a CPU without bf16 support."""
-    if not torch.cuda.is_available() and not cpu_has_fast_bf16():
+    if not bf16_is_fast():
         warnings.warn(f"{what}: this CPU has no bfloat16 instructions ({torch.backends.cpu.get_cpu_capability()}); "
                       "bfloat16 matmuls fall back to a slow path here, typically several times slower than "
                       "float32. Use float32 on this machine.", RuntimeWarning, stacklevel=3)

@@ -99,7 +99,7 @@ class TrainSpec(_Strict):
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     seed: int = 0
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"  # auto: bf16 only where it is fast
     log_every: int = Field(10, ge=1)
     save_every: int = Field(100, ge=1)
 

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import KvshareError
-from ..hardware import warn_if_bf16_is_slow
+from ..hardware import resolve_mixed_precision, warn_if_bf16_is_slow
 from ..models import resolve_model_dir
 from ..sharing import AdapterKind
 from . import checkpoint as ckpt
@@ -111,9 +111,10 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     # (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     # cpu=True on CPU-only machines lets torchrun-launched processes form a gloo DDP group.
+    precision = resolve_mixed_precision(recipe.train.mixed_precision)
     if recipe.train.mixed_precision == "bf16":
         warn_if_bf16_is_slow("train.mixed_precision bf16")
-    accel = Accelerator(mixed_precision=recipe.train.mixed_precision, cpu=not torch.cuda.is_available())
+    accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     main = accel.is_main_process
     run_dir = Path(recipe.output_dir)
     if not resume and (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
@@ -224,7 +225,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         "steps": state["step"], "total_steps": total, "final_loss": last_loss,
         "train_seconds": time.perf_counter() - started,
         "seconds_per_step": (time.perf_counter() - started) / max(state["step"], 1),
-        "processes": world, "rank_weight_digests": digests,
+        "processes": world, "mixed_precision": precision, "rank_weight_digests": digests,
         "ranks_in_sync": len(set(digests)) == 1,
         "examples": len(examples), "data": asdict(stats) | {"dropped_ids": stats.dropped_ids[:20]},
         "finished": state["step"] >= total,
