@@ -171,7 +171,7 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         ran = [t for d, t in DOMAINS.items() if t in tasks and (d in folders or system in spec.cross)]
         if not folders or not ran:
             continue
-        prompt = cached = 0
+        by_task: dict[str, dict] = {}
         for dtype, group in spec.by_dtype(ran).items():
             llm, _ = load_llm(spec.model, None, dtype=dtype, kv_cache_tokens=spec.kv_cache_tokens)
             names = {d: llm.engine.load_adapter(folder, name=f"{d}-{system}") for d, folder in folders.items()}
@@ -180,12 +180,11 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
                 if task_name in group:
                     runs = [d for d in names if d == domain or system in spec.cross]
                     samples = evaluate_together(llm, task_name, {names[d]: folders[d] for d in runs}, system)
-                    prompt += sum(s["prompt_tokens"] for s in samples)
-                    cached += sum(s["cached_tokens"] for s in samples)
+                    by_task[task_name] = _kv_reuse(samples)
             del llm
         sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value, "tasks": ran,
-                           "prompt_tokens": prompt, "prompt_tokens_from_cache": cached,
-                           "cached_fraction": cached / prompt if prompt else 0.0}
+                           **_kv_reuse([{"prompt_tokens": t["prompt_tokens"], "cached_tokens": t["prompt_tokens_from_cache"]}
+                                        for t in by_task.values()]), "by_task": by_task}
     report = tables(spec, scores, kinds, sharing)
     report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
     if earlier:
@@ -197,6 +196,13 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
     (out / "orchestration.json").write_text(json.dumps(report["orchestration"], indent=1))
     (out / "orchestration.md").write_text(report["orchestration_md"])
     return report
+
+
+def _kv_reuse(samples: list[dict]) -> dict:
+    """How much of the samples' prompt KV came from cache (the prefix cache or another adapter's)."""
+    prompt = sum(s["prompt_tokens"] for s in samples)
+    cached = sum(s["cached_tokens"] for s in samples)
+    return {"prompt_tokens": prompt, "prompt_tokens_from_cache": cached, "cached_fraction": cached / prompt if prompt else 0.0}
 
 
 def _metric(scores: dict, row: str, task: str, path: tuple[str, ...]) -> dict | None:
@@ -262,7 +268,8 @@ def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[s
                 add(f"{domain}-{system} alone", lambda task, d=domain: f"{d}-{system}", "-")
     for system in sharing:
         share = sharing[system]
-        kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache ({', '.join(share['tasks'])})"
+        per_task = ", ".join(f"{task} {reuse['cached_fraction']:.0%}" for task, reuse in share["by_task"].items())
+        kv = f"{share['rule']}: {share['cached_fraction']:.0%} of prompt KV from cache ({per_task})"
         add(f"{system} (routed: {', '.join(DOMAINS)})", lambda task: f"{task_domain[task]}-{system}", kv)
     return {"quality": quality, "quality_md": "\n".join(lines) + "\n",
             "orchestration": orchestration, "orchestration_md": "\n".join(head) + "\n"}
