@@ -3,8 +3,9 @@
 # recipes, one after another, resuming any run that was interrupted. Run from the repo root:
 #   KVSHARE_DATA=../shared/data bash results/quality/train-all.sh [key=value ...]
 # TASKS / KINDS pick a subset; key=value overrides apply to every run (give the same ones when
-# resuming), e.g. on a CPU without bf16 instructions:
-#   TASKS=qa KINDS="icarus lora" bash results/quality/train-all.sh train.mixed_precision=no train.max_steps=40
+# resuming), e.g. fewer steps:
+#   TASKS=qa KINDS="icarus lora" bash results/quality/train-all.sh train.max_steps=40
+# The recipes say mixed_precision: auto (bf16 only where the hardware has it, float32 elsewhere).
 # Each run writes runs/<task>-<kind>/ (checkpoints, metrics.jsonl, adapter/).
 set -euo pipefail
 for task in ${TASKS:-math qa code}; do
