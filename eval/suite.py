@@ -180,11 +180,13 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
                 if task_name in group:
                     runs = [d for d in names if d == domain or system in spec.cross]
                     samples = evaluate_together(llm, task_name, {names[d]: folders[d] for d in runs}, system)
-                    by_task[task_name] = _kv_reuse(samples)
+                    by_task[task_name] = _kv_reuse(sum(s["prompt_tokens"] for s in samples),
+                                                   sum(s["cached_tokens"] for s in samples))
             del llm
         sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value, "tasks": ran,
-                           **_kv_reuse([{"prompt_tokens": t["prompt_tokens"], "cached_tokens": t["prompt_tokens_from_cache"]}
-                                        for t in by_task.values()]), "by_task": by_task}
+                           **_kv_reuse(sum(t["prompt_tokens"] for t in by_task.values()),
+                                       sum(t["prompt_tokens_from_cache"] for t in by_task.values())),
+                           "by_task": by_task}
     report = tables(spec, scores, kinds, sharing)
     report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
     if earlier:
@@ -198,10 +200,8 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
     return report
 
 
-def _kv_reuse(samples: list[dict]) -> dict:
-    """How much of the samples' prompt KV came from cache (the prefix cache or another adapter's)."""
-    prompt = sum(s["prompt_tokens"] for s in samples)
-    cached = sum(s["cached_tokens"] for s in samples)
+def _kv_reuse(prompt: int, cached: int) -> dict:
+    """How much prompt KV came from cache (the prefix cache or another adapter's prefill)."""
     return {"prompt_tokens": prompt, "prompt_tokens_from_cache": cached, "cached_fraction": cached / prompt if prompt else 0.0}
 
 
