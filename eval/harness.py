@@ -59,9 +59,29 @@ def load_llm(model: str, adapter: str | None, dtype: str = "float32",
 
 
 def _read_log(path: Path) -> dict[str, dict]:
+    """Finished samples of a log. A last line cut short (the run was killed while writing it)
+    is dropped from the file, so the sample is generated again and appended cleanly; a broken
+    line anywhere else means the log was damaged, and that is an error, not something to skip."""
     if not path.is_file():
         return {}
-    return {r["id"]: r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                kept = text[: len(text) - len(line)]
+                temporary = path.with_name(path.name + ".tmp")
+                temporary.write_text(kept, encoding="utf-8")
+                temporary.replace(path)
+                break
+            raise KvshareError(f"{path}: line {number} is not a JSON record; move the file away to start over")
+        records[record["id"]] = record
+    return records
 
 
 def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batch: int = 8) -> dict[str | None, list[dict]]:

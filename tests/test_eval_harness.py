@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvshare.eval.gsm8k import Scorer, evaluate_gsm8k
+from kvshare.errors import KvshareError
 from kvshare.eval.harness import mean_ci95
 from kvshare.eval.qa import evaluate_f1, load_items
 
@@ -44,6 +45,21 @@ def test_gsm8k_runs_through_the_engine_and_resumes(tiny_models, tmp_path):
     again = evaluate_gsm8k(base, None, tmp_path, limit=4, shots=1, max_tokens=8)
     assert again["strict-match"]["n"] == 4
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4  # 3 reused, 1 new
+
+
+def test_a_log_cut_short_resumes_and_a_damaged_one_is_refused(tiny_models, tmp_path):
+    base = str(tiny_models("llama"))
+    evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
+    log = tmp_path / "samples.jsonl"
+    whole = log.read_text()
+    lines = whole.splitlines(keepends=True)
+    log.write_text("".join(lines[:2]) + lines[2][:25])  # killed while writing the third sample
+    again = evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
+    assert again["strict-match"]["n"] == 3
+    assert log.read_text() == whole  # the third sample generated again (greedy: the same line)
+    log.write_text(lines[0][:25] + "\n" + "".join(lines[1:]))  # damage in the middle
+    with pytest.raises(KvshareError, match="line 1 is not a JSON record"):
+        evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
 
 
 def test_f1_on_held_out_qa(tmp_path):
