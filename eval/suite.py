@@ -183,7 +183,7 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
                     by_task[task_name] = _kv_reuse(sum(s["prompt_tokens"] for s in samples),
                                                    sum(s["cached_tokens"] for s in samples))
             del llm
-        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value, "tasks": ran,
+        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
                            **_kv_reuse(sum(t["prompt_tokens"] for t in by_task.values()),
                                        sum(t["prompt_tokens_from_cache"] for t in by_task.values())),
                            "by_task": by_task}
