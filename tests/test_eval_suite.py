@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 pytest.importorskip("evalplus")
 
-from kvshare.eval.suite import run_suite  # noqa: E402
+from kvshare.eval.suite import SuiteSpec, run_suite  # noqa: E402
 from kvshare.export import export_adapter  # noqa: E402
 from kvshare.testing import ICARUS_TARGETS, make_peft_adapter, make_tiny_model  # noqa: E402
+from kvshare.yamlspec import load_spec  # noqa: E402
 
 INVOCATIONS = {"math": "<|im_start|>math<|im_end|>", "code": "<|im_start|>code<|im_end|>",
                "qa": "<|im_start|>qa<|im_end|>"}
@@ -131,3 +133,10 @@ def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, t
     mixed = run_suite(tmp_path / "mixed.yaml", out)
     assert mixed["quality"]["rows"]["lora"]["GSM8K"] == first["quality"]["rows"]["lora"]["GSM8K"]
     assert mixed["quality"]["rows"]["lora"]["HotpotQA F1"] is None
+
+
+def test_the_committed_quality_spec_is_valid():
+    """results/quality/suite.yaml is the spec of the committed tables; it must stay runnable."""
+    spec = load_spec(Path(__file__).parents[1] / "results" / "quality" / "suite.yaml", SuiteSpec, "evaluation suite")
+    assert {getattr(adapters, domain) for adapters in spec.systems.values() for domain in ("math", "code", "qa")} == {
+        f"runs/{domain}-{kind}/adapter" for domain in ("math", "code", "qa") for kind in ("icarus", "lora", "alora")}
