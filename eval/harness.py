@@ -65,21 +65,25 @@ def _read_log(path: Path) -> dict[str, dict]:
     if not path.is_file():
         return {}
     text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    tail = text.rpartition("\n")[2]  # what follows the last newline: "" unless the run was killed
+    if tail.strip():
+        try:
+            json.loads(tail)
+            text += "\n"  # written whole, the newline not yet
+        except json.JSONDecodeError:
+            text = text[: len(text) - len(tail)]
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(path)
     records = {}
-    for number, line in enumerate(lines, 1):
+    # split on newlines only: outputs may hold U+2028 or U+0085, which JSON leaves unescaped
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            if number == len(lines) and not text.endswith("\n"):
-                kept = text[: len(text) - len(line)]
-                temporary = path.with_name(path.name + ".tmp")
-                temporary.write_text(kept, encoding="utf-8")
-                temporary.replace(path)
-                break
-            raise KvshareError(f"{path}: line {number} is not a JSON record; move the file away to start over")
+            raise KvshareError(f"{path}: line {number} is not a JSON record; move the file away to start over") from None
         records[record["id"]] = record
     return records
 
