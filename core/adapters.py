@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import KvshareError
 from .safetensors_io import TensorSpec, model_weight_files, read_json, refuse_pickles, tensor_specs
-from .sharing import AdapterKind, sharing_rule
+from .kinds import AdapterKind, kind_spec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -167,13 +167,13 @@ def check_kind_rules(
 ) -> list[int] | None:
     """Enforce what ``kind`` requires of the checkpoint; return aLoRA invocation ids."""
     tokens = ckpt.invocation_tokens
-    if kind is not AdapterKind.ALORA:
+    if not kind_spec(kind).needs_invocation:
         if tokens:
             raise KvshareError(
                 f"{ckpt.folder}: adapter_config.json sets alora_invocation_tokens, so PEFT runs it "
                 f"as an aLoRA; export it with --kind alora, not {kind.value}"
             )
-        forbidden = sorted(m for m in leaves if m in sharing_rule(kind).forbidden_target_modules)
+        forbidden = sorted(m for m in leaves if m in kind_spec(kind).forbidden_targets)
         if forbidden:
             raise KvshareError(
                 f"{ckpt.folder}: an {kind.value} adapter may not target {', '.join(forbidden)}: "

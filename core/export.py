@@ -27,7 +27,7 @@ from .fingerprint import fingerprints
 from .fsutil import fsync_files, replace_dir
 from .models import load_tokenizer, model_family, resolve_model_dir
 from .safetensors_io import tensor_specs
-from .sharing import AdapterKind, parse_kind
+from .kinds import AdapterKind, kind_spec, parse_kind
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def export_adapter(
     modules = lora_modules(ckpt)
     check_against_base(ckpt, modules, base_info.folder)
     leaves = target_leaves(ckpt, modules)
-    tokenizer = load_tokenizer(base_info.folder) if kind is AdapterKind.ALORA else None
+    tokenizer = load_tokenizer(base_info.folder) if kind_spec(kind).needs_invocation else None
     invocation_ids = check_kind_rules(kind, ckpt, leaves, invocation, tokenizer)
 
     config = ckpt.config
@@ -132,7 +132,7 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
     ):
         raise KvshareError(f"{adapter_dir}: kvshare.json disagrees with {ADAPTER_CONFIG} (rank or targets)")
     invocation = data.get("alora", {}).get("invocation_string")
-    if kind is AdapterKind.ALORA and data["alora"]["invocation_token_ids"] != ckpt.invocation_tokens:
+    if kind_spec(kind).needs_invocation and data["alora"]["invocation_token_ids"] != ckpt.invocation_tokens:
         raise KvshareError(f"{adapter_dir}: invocation token ids differ between kvshare.json and {ADAPTER_CONFIG}")
     tokenizer = None
     if base is not None:
@@ -145,7 +145,7 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
                 f"{base_info.fingerprint[:19]}...; its KV and weights would not match"
             )
         check_against_base(ckpt, modules, base_info.folder)
-        if kind is AdapterKind.ALORA:
+        if kind_spec(kind).needs_invocation:
             tokenizer = load_tokenizer(base_info.folder)
     check_kind_rules(kind, ckpt, leaves, invocation, tokenizer)
     return data

@@ -19,7 +19,7 @@ from . import __version__
 from .errors import KvshareError
 from .fsutil import write_text_atomic
 from .safetensors_io import read_json
-from .sharing import AdapterKind, parse_kind, sharing_rule
+from .kinds import AdapterKind, kind_spec, parse_kind
 
 MANIFEST_FILE = "kvshare.json"
 FORMAT_VERSION = 1
@@ -77,7 +77,7 @@ def build(
         "format_version": FORMAT_VERSION,
         "name": name,
         "kind": kind.value,
-        "kv_sharing": sharing_rule(kind).to_json(),
+        "kv_sharing": kind_spec(kind).to_json(),
         "base_model": {
             "name": base_name,
             "family": base_family,
@@ -91,7 +91,7 @@ def build(
             **(provenance or {}),
         },
     }
-    if kind is AdapterKind.ALORA:
+    if kind_spec(kind).needs_invocation:
         data["alora"] = {
             "invocation_string": invocation_string,
             "invocation_token_ids": list(invocation_token_ids or []),
@@ -109,7 +109,8 @@ def read(path: Path) -> dict:
         path = path / MANIFEST_FILE
     data = read_json(path)
     validate(data, source=str(path))
-    if data["kv_sharing"] != sharing_rule(data["kind"]).to_json():
+    # the scope is the rule; the description is prose that may be reworded between versions
+    if data["kv_sharing"]["scope"] != kind_spec(data["kind"]).scope.value:
         raise KvshareError(
             f"{path}: kv_sharing does not state the rule of kind {data['kind']!r}"
         )

@@ -13,11 +13,11 @@ import torch
 
 from . import zoo
 from .errors import KvshareError
+from .families import FAMILIES
 from .safetensors_io import model_weight_files, read_json
 
-# Llama-family decoders whose attention the engine reproduces exactly; adding one is a
-# one-line change here plus the engine's model file.
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Llama-family decoders whose attention the engine reproduces exactly (families.py).
+SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 
 def resolve_model_dir(name_or_dir: str | Path) -> Path:

@@ -60,7 +60,7 @@ async def _team_run(engine, solver: str, checker: str, checker_invocation: list[
 
     async def watch():
         while not done.is_set():
-            peak[0] = max(peak[0], engine.blocks.num_holding_kv)  # in use + kept for reuse
+            peak[0] = max(peak[0], engine.kv_usage()["kv"]["blocks_holding_kv"])  # in use + kept for reuse
             await asyncio.sleep(0.01)
 
     async def one(i, context):
@@ -96,8 +96,8 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
     adapters = train_adapters(model, workdir, steps, examples)
     engine = LLMEngine(model, [adapters[k] for k in ("icarus", "alora", "lora")], kv_cache_tokens=16384)
     tok = engine.tokenizer
-    names = {k: engine.adapters.slots[i].name for i, k in enumerate(("icarus", "alora", "lora"))}
-    invocation = list(engine.adapters.get(names["alora"]).invocation)
+    names = {k: engine.adapters()[i].name for i, k in enumerate(("icarus", "alora", "lora"))}
+    invocation = list(engine.adapter(names["alora"]).invocation)
 
     chat = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                    tokenize=True, return_dict=True)["input_ids"]
@@ -111,10 +111,10 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
     contexts = hotpot_contexts(tok, workflows, context_tokens)
     results = {}
     for label in ("icarus", "lora"):
-        engine.blocks.reset()
+        engine.reset_prefix_cache()
         results[label] = asyncio.run(_team_run(engine, names[label], names["alora"], invocation, contexts,
                                                turns, max_tokens))
-    bytes_per_block = engine.blocks.block_size * engine.kv_bytes_per_token
+    bytes_per_block = engine.block_size * engine.kv_bytes_per_token
     print(f"\nQ: {QUESTION}")
     for label, text in answers.items():
         print(f"{label:>7}: {text}")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from .families import FAMILIES
+
+TINY_FAMILIES = tuple(FAMILIES)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|invoke|>", "<|end_invoke|>"]
 
 CHATML_TEMPLATE = (

@@ -54,7 +54,7 @@ def load_llm(model: str, adapter: str | None, dtype: str = "float32",
     name = None
     if adapter:
         name = llm.engine.load_adapter(adapter) if Path(adapter).is_dir() else adapter
-        llm.engine.adapters.get(name)  # unknown names fail here with a clear error
+        llm.engine.adapter(name)  # unknown names fail here with a clear error
     return llm, name
 
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sharing import sharing_rule
+from ..kinds import kind_spec
 from ..yamlspec import load_spec
 from .code import code_task
 from .gsm8k import gsm8k_task
@@ -154,7 +154,7 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         results = run_samples(llm, task, folders, spec.batch)
         wanted = run_settings(spec, task_name)
         for name, folder in folders.items():
-            kind = llm.engine.adapters.get(name).kind.value if name else "base"
+            kind = llm.engine.adapter(name).kind.value if name else "base"
             extra = {"dtype": wanted["dtype"], "max_tokens": wanted["max_tokens"], "kind": kind}
             scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name], extra)
             earlier.discard((name or "base", task_name))
@@ -175,7 +175,7 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
         for dtype, group in spec.by_dtype(ran).items():
             llm, _ = load_llm(spec.model, None, dtype=dtype, kv_cache_tokens=spec.kv_cache_tokens)
             names = {d: llm.engine.load_adapter(folder, name=f"{d}-{system}") for d, folder in folders.items()}
-            kinds[system] = llm.engine.adapters.get(next(iter(names.values()))).kind.value
+            kinds[system] = llm.engine.adapter(next(iter(names.values()))).kind.value
             for domain, task_name in DOMAINS.items():
                 if task_name in group:
                     runs = [d for d in names if d == domain or system in spec.cross]
@@ -183,7 +183,7 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
                     by_task[task_name] = _kv_reuse(sum(s["prompt_tokens"] for s in samples),
                                                    sum(s["cached_tokens"] for s in samples))
             del llm
-        sharing[system] = {"kind": kinds[system], "rule": sharing_rule(kinds[system]).scope.value,
+        sharing[system] = {"kind": kinds[system], "rule": kind_spec(kinds[system]).scope.value,
                            **_kv_reuse(sum(t["prompt_tokens"] for t in by_task.values()),
                                        sum(t["prompt_tokens_from_cache"] for t in by_task.values())),
                            "by_task": by_task}

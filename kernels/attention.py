@@ -11,77 +11,53 @@ of the same token are two query rows over the same keys, i.e. their query heads 
 concatenated for a single GQA attention call.
 
 What does not change between layers (which slots each sequence reads, which keys each row
-may see) is worked out once per forward in :func:`attention_plan`.
+may see) comes once per step in :class:`~kvshare.kernels.metadata.AttentionMetadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class SeqGroup:
-    start: int  # first row of the sequence in the batch
-    end: int  # one past its last row
-    slots: torch.Tensor  # flat cache slots of keys 0..length-1
-    mask: torch.Tensor | None  # (rows, length) allowed keys; None when every row sees all
-    causal: bool = False  # rows are positions 0..length-1 in order: plain causal attention
-
-
-def attention_plan(row_seq: list[int], row_pos: torch.Tensor, block_tables: list[list[int]],
-                   block_size: int) -> list[SeqGroup]:
-    groups = []
-    rows = len(row_seq)
-    start = 0
-    while start < rows:
-        seq = row_seq[start]
-        end = start
-        while end < rows and row_seq[end] == seq:
-            end += 1
-        pos = row_pos[start:end]
-        length = int(pos.max()) + 1
-        table = torch.tensor(block_tables[seq][: (length + block_size - 1) // block_size])
-        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:length]
-        mask, causal = None, False
-        if end - start == length and bool((pos == torch.arange(length)).all()):
-            causal = length > 1  # a prefill from position 0: SDPA's causal kernel, no mask
-        elif bool((pos != length - 1).any()):
-            mask = torch.arange(length)[None, :] <= pos[:, None]
-        groups.append(SeqGroup(start, end, slots, mask, causal))
-        start = end
-    return groups
+from .metadata import AttentionMetadata
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store."""
-    keep = slots >= 0
-    if bool(keep.all()):
-        index, k, v = slots, k, v
-    elif bool(keep.any()):
-        index, k, v = slots[keep], k[keep], v[keep]
+                 slots: torch.Tensor, all_write: bool = False) -> None:
+    """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store.
+
+    ``all_write`` says (from the host) that no row is read-only, which skips the filter.
+    """
+    if all_write:
+        index = slots
     else:
-        return
+        keep = slots >= 0
+        index, k, v = slots[keep], k[keep], v[keep]
     k_cache.view(-1, *k_cache.shape[2:])[index] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[index] = v.to(v_cache.dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        plan: list[SeqGroup], scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V."""
     n_q, n_kv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     flat_k = k_cache.view(-1, n_kv, d)
     flat_v = v_cache.view(-1, n_kv, d)
+    keys_all = flat_k.index_select(0, meta.key_slots)
+    values_all = flat_v.index_select(0, meta.key_slots)
     out = torch.empty_like(q)
-    for g in plan:
-        query = q[g.start:g.end].transpose(0, 1).unsqueeze(0)  # (1, heads, rows, d)
-        keys = flat_k.index_select(0, g.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        values = flat_v.index_select(0, g.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-        mask = g.mask[None, None] if g.mask is not None else None
+    offset = 0
+    for (start, end), length, causal, all_last in zip(meta.seq_bounds, meta.seq_context,
+                                                     meta.seq_causal, meta.seq_all_last):
+        query = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, heads, rows, d)
+        keys = keys_all[offset:offset + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = values_all[offset:offset + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        offset += length
+        mask = None
+        if not causal and not all_last:
+            positions = meta.positions[start:end]
+            mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                              is_causal=g.causal, enable_gqa=n_q != n_kv)
-        out[g.start:g.end] = attn[0].transpose(0, 1)
+                                              is_causal=causal, enable_gqa=n_q != n_kv)
+        out[start:end] = attn[0].transpose(0, 1)
     return out

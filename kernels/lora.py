@@ -11,10 +11,15 @@ import torch
 import torch.nn.functional as F
 
 
-def lora_groups(index: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(adapter slot, its row indices) for every slot used in a batch; computed once per forward."""
-    used = index[index >= 0]
-    return [(slot, (index == slot).nonzero().squeeze(1)) for slot in torch.unique(used).tolist()]
+def lora_groups(slots: list[int], device: torch.device | str = "cpu") -> list[tuple[int, torch.Tensor]]:
+    """(adapter slot, its row indices) for every slot used in a batch, from the host-side
+    list of row slots (-1 = none); built once per step, so the device is never asked."""
+    rows: dict[int, list[int]] = {}
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            rows.setdefault(slot, []).append(row)
+    return [(slot, torch.tensor(r, dtype=torch.long).to(device, non_blocking=True))
+            for slot, r in sorted(rows.items())]
 
 
 def gathered_lora_ref(x: torch.Tensor, base_out: torch.Tensor, groups: list[tuple[int, torch.Tensor]],

@@ -3,10 +3,17 @@
 Each adapter occupies a slot; a batch row names its slot and the gathered-LoRA kernel
 applies that slot's A/B. Loading verifies the manifest (schema, files, kind rules) and that
 its base fingerprint is the engine's base: an adapter made for another base is refused.
+
+Each loaded adapter gets a *content digest* (weights, config, kind, invocation): the owner
+its KV blocks are keyed by. A name can be unloaded and reused for other weights; the digest
+cannot, so the prefix cache never serves one adapter's KV to another (the bug class of vLLM
+issue 42125 and llama.cpp 26207), while the same adapter loaded again reuses its blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,7 +25,7 @@ from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..errors import KvshareError
 from ..export import verify_adapter_dir
 from ..safetensors_io import load_tensors, read_json
-from ..sharing import AdapterKind, parse_kind
+from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -31,6 +38,22 @@ class LoadedAdapter:
     manifest: dict
     invocation: list[int] | None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    digest: str  # content digest: what its KV blocks are keyed by
+
+    @property
+    def spec(self) -> KindSpec:
+        return kind_spec(self.kind)
+
+
+def adapter_digest(path: Path, kind: AdapterKind, invocation: list[int] | None) -> str:
+    """sha256 over what changes the adapter's KV and outputs: weight bytes, LoRA config,
+    kind and invocation ids (not its name or provenance)."""
+    h = hashlib.sha256(f"kvshare-adapter:{kind.value}:{invocation}".encode())
+    h.update(json.dumps(read_json(path / ADAPTER_CONFIG), sort_keys=True).encode())
+    with open(path / ADAPTER_WEIGHTS, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
 
 
 def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | None:
@@ -43,9 +66,10 @@ def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | Non
 
 
 class AdapterSet:
-    def __init__(self, base_dir: Path, dtype: torch.dtype):
+    def __init__(self, base_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.base_dir = base_dir
         self.dtype = dtype
+        self.device = torch.device(device)
         self.slots: list[LoadedAdapter | None] = []
         self.by_name: dict[str, int] = {}
         self._lookup: dict[tuple[int, str], list] = {}
@@ -63,15 +87,16 @@ class AdapterSet:
             match = _KEY.match(key)
             if not match:
                 raise KvshareError(f"{path}: tensor {key!r} is not a decoder-layer LoRA weight")
-            parts.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.to(self.dtype)
+            parts.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor.to(self.device, self.dtype)
         weights = {}
         for module, ab in parts.items():
             rank = ab["A"].shape[0]
             scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
             weights[module] = (ab["A"].contiguous(), ab["B"].contiguous(), scale)
         kind = parse_kind(manifest["kind"])
-        invocation = manifest["alora"]["invocation_token_ids"] if kind is AdapterKind.ALORA else None
-        adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights)
+        invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
+        adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights,
+                                adapter_digest(path, kind, invocation))
         slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
         if slot == len(self.slots):
             self.slots.append(adapter)

@@ -90,7 +90,7 @@ class AsyncEngine:
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
                        hints: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
-        if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.max_waiting:
+        if self.engine.num_waiting() + self._commands.qsize() >= self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()

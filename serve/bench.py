@@ -51,7 +51,7 @@ def _engine_decode_rate(llm: LLM, prompts: list[list[int]], new: int, adapter: s
     for p in prompts:
         engine.add_request(p, params, adapter=adapter)
     engine.step()  # prefill every prompt and sample the first token
-    while engine.scheduler.waiting or any(s.num_computed < len(s.prompt) for s in engine.scheduler.running):
+    while engine.num_prefilling():
         engine.step()
     start, produced = time.perf_counter(), 0
     while engine.has_unfinished():
@@ -78,7 +78,7 @@ def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
         start = time.perf_counter()
         hf(torch.tensor([prompt]))
         hf_rate = len(prompt) / (time.perf_counter() - start)
-    llm.engine.blocks.reset()  # forget cached prefixes: measure compute
+    llm.engine.reset_prefix_cache()  # forget cached prefixes: measure compute
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
     return len(prompt) / (time.perf_counter() - start), hf_rate
@@ -87,14 +87,14 @@ def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
 def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
     """Peak KV bytes (blocks in use or cached) while N agents answer over one context at once."""
     engine = llm.engine
-    engine.blocks.reset()
+    engine.reset_prefix_cache()
     for name in adapters:
         engine.add_request(context, SamplingParams(max_tokens=new, ignore_eos=True), adapter=name)
     peak = 0
     while engine.has_unfinished():
         engine.step()
-        peak = max(peak, engine.blocks.num_holding_kv)
-    return peak * engine.blocks.block_size * engine.kv_bytes_per_token
+        peak = max(peak, engine.kv_usage()["kv"]["bytes_holding_kv"])
+    return peak
 
 
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,

@@ -64,7 +64,7 @@ def run_alora_bench(model: str = "smollm2-135m-instruct", lengths: tuple[int, ..
                 invocations.append(inv or [])
             text_ids = tok.encode(TEXT, add_special_tokens=False)
             for length in lengths:
-                engine.blocks.reset()  # also zeroes the hit and eviction counters
+                engine.reset_prefix_cache()  # also zeroes the hit and eviction counters
                 x = (text_ids * (length // len(text_ids) + 1))[:length]
                 (answer,), t_answer = _run(engine, [(x, None)], new_tokens)
                 xy = x + answer.token_ids

@@ -107,7 +107,7 @@ async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, se
     async def watch():
         while not stop.is_set():
             if engine is not None:  # blocks held by running requests (cached idle ones excluded)
-                peak[0] = max(peak[0], sum(1 for b in engine.blocks.blocks if b.ref_count > 0))
+                peak[0] = max(peak[0], engine.kv_usage()["kv"]["blocks_in_use"])
             await asyncio.sleep(0.02)
 
     async def one(index, context, delay):
@@ -161,7 +161,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     backend = EngineBackend(runner)
                 for rate in qps:
                     if runner is not None:
-                        engine.blocks.reset()  # also zeroes the hit and eviction counters
+                        engine.reset_prefix_cache()  # also zeroes the hit and eviction counters
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
                         engine=engine if runner else None))

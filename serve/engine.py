@@ -1,10 +1,13 @@
-"""The step-wise engine (add_request / step / abort) and the batch API ``LLM.generate``.
+"""The engine facade: add_request / abort / step, adapters, and what callers may ask of it.
 
-One paged KV pool serves the base and every adapter. Each step the scheduler picks work,
-the engine lays it out as rows - one per token, plus for an ICaRus request that samples an
-adapter row beside the base row, reading the same cache - runs the model once, samples, and
-publishes newly completed blocks to the prefix cache under the owner the adapter kind
-allows.
+A request goes: :meth:`LLMEngine.add_request` makes a :class:`Sequence` (its kind's spec,
+adapter slot and content digest) and queues it; each :meth:`LLMEngine.step` is
+schedule -> run -> postprocess: the scheduler picks work and plans its rows
+(:mod:`.batch`), the model runner builds the batch's tensor metadata, runs the model on its
+device with its kernels and samples (:mod:`.runner`), and the scheduler advances, publishes
+completed blocks to the prefix cache (:mod:`.cache`) and finishes sequences; the engine
+turns them into :class:`RequestOutput` (:mod:`.output`). Callers (server, benchmarks, eval)
+use only the methods here, never the cache or scheduler.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,61 +22,48 @@ import torch
 from ..errors import KvshareError
 from ..fingerprint import fingerprints
 from ..hardware import warn_if_bf16_is_slow
+from ..kernels import Kernels
 from ..models import load_tokenizer, resolve_model_dir
-from ..sharing import AdapterKind
-from .adapters import AdapterSet, find_invocation_start
-from .block_manager import BlockManager
-from .model import Model, Rows
-from .sampling import SamplingParams, sample, top_logprobs
-from .scheduler import Scheduled, Scheduler
+from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
+from .cache import BlockManager, make_policy
+from .config import EngineConfig
+from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
+from .runner import DTYPES, ModelRunner, resolve_device
+from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    adapter: str | None
-    logprobs: list[dict] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    prompt_logprobs: list[dict | None] | None = None  # [None, {token, logprob, top}, ...]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "EngineConfig"]
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, adapters: list[str | Path] = (), *,
-                 kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None,
-                 block_size: int = 16, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, dtype: str = "float32"):
-        if dtype not in DTYPES:
+    def __init__(self, model: str | Path, adapters: list[str | Path] = (),
+                 config: EngineConfig | None = None, **settings):
+        """``config`` (or keyword settings such as ``kv_cache_tokens=``, ``device=``, applied
+        over it) says how the engine runs; see :class:`EngineConfig`."""
+        config = (config or EngineConfig()).updated(**settings)
+        if config.dtype not in DTYPES:
             raise KvshareError(f"dtype must be one of {', '.join(DTYPES)}")
+        self.config = config
         self.model_dir = resolve_model_dir(model)
         self.model_name = str(model)
-        self.dtype = DTYPES[dtype]
-        if self.dtype is torch.bfloat16:
+        self.dtype = DTYPES[config.dtype]
+        self.device = resolve_device(config.device)
+        if self.dtype is torch.bfloat16 and self.device.type == "cpu":
             warn_if_bf16_is_slow("engine dtype bfloat16")
-        self.model = Model(self.model_dir, self.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.fingerprint = fingerprints(self.model_dir).base
-        self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 4096))
-        m = self.model
-        per_token = 2 * m.n_layers * m.n_kv * m.head_dim * torch.finfo(self.dtype).bits // 8
-        if kv_cache_bytes is not None:
-            kv_cache_tokens = kv_cache_bytes // per_token
-        kv_cache_tokens = kv_cache_tokens or 16384
-        num_blocks = max(1, kv_cache_tokens // block_size)
-        self.kv_cache = torch.zeros(2, m.n_layers, num_blocks, block_size, m.n_kv, m.head_dim, dtype=self.dtype)
-        self.kv_bytes_per_token = per_token
-        self.blocks = BlockManager(num_blocks, block_size, self.fingerprint)
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
-        self.adapters = AdapterSet(self.model_dir, self.dtype)
+        self.runner = ModelRunner(self.model_dir, self.dtype, self.device, config.kv_cache_tokens,
+                                  config.kv_cache_bytes, config.block_size, Kernels(config.kernels))
+        self.max_model_len = config.max_model_len or int(
+            getattr(self.runner.model.config, "max_position_embeddings", 4096))
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self._blocks = BlockManager(self.runner.num_blocks, config.block_size, self.fingerprint,
+                                    policy=make_policy(config.eviction_policy))
+        self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
         for path in adapters:
-            self.adapters.load(path)
+            self._adapters.load(path)
         self.sequences: dict[str, Sequence] = {}
         self.hints_log: deque[tuple[str, dict]] = deque(maxlen=1024)  # recent requests' hints
         self._ids = itertools.count()
@@ -83,21 +72,29 @@ class LLMEngine:
 
     # adapters ----------------------------------------------------------------------------
     def load_adapter(self, path: str | Path, name: str | None = None) -> str:
-        return self.adapters.load(path, name)
+        return self._adapters.load(path, name)
 
     def unload_adapter(self, name: str) -> None:
         busy = [s.request_id for s in self.sequences.values() if s.adapter == name]
         if busy:
             raise KvshareError(f"adapter {name!r} is in use by {len(busy)} request(s)")
-        self.adapters.unload(name)
+        self._adapters.unload(name)
+
+    def adapters(self) -> list[LoadedAdapter]:
+        """The loaded adapters, in slot order."""
+        return [a for a in self._adapters.slots if a is not None]
+
+    def adapter(self, name: str) -> LoadedAdapter:
+        """One loaded adapter (unknown names are a clear error)."""
+        return self._adapters.get(name)
 
     def chat_prompt(self, messages: list[dict], adapter: str | None = None) -> list[int]:
         """Token ids of a chat for ``adapter``, laid out as that adapter was trained: an aLoRA
         gets the conversation then its invocation (no assistant header); others get the chat
         template's generation prompt."""
         invocation = None
-        if adapter is not None and self.adapters.get(adapter).kind is AdapterKind.ALORA:
-            invocation = list(self.adapters.get(adapter).invocation)
+        if adapter is not None and self.adapter(adapter).spec.needs_invocation:
+            invocation = list(self.adapter(adapter).invocation)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=invocation is None,
                                                  tokenize=True, return_dict=True)["input_ids"]
         return list(ids) + (invocation or [])
@@ -115,25 +112,27 @@ class LLMEngine:
         if len(tokens) + params.max_tokens > self.max_model_len:
             raise KvshareError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
-        needed = self.blocks.blocks_needed(len(tokens) + params.max_tokens)
-        if needed > len(self.blocks.blocks):
-            raise KvshareError(f"request needs {needed} KV blocks; the pool has {len(self.blocks.blocks)}")
+        needed = self._blocks.blocks_needed(len(tokens) + params.max_tokens)
+        if needed > self._blocks.num_blocks:
+            raise KvshareError(f"request needs {needed} KV blocks; the pool has {self._blocks.num_blocks}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, tokens, params, hints=dict(hints or {}))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(tokens)
         self.hints_log.append((request_id, seq.hints))
         if adapter is not None:
-            loaded = self.adapters.get(adapter)
-            seq.adapter, seq.kind, seq.adapter_slot = adapter, loaded.kind, self.adapters.get_slot(adapter)
-            if loaded.kind is AdapterKind.ALORA:
+            loaded = self.adapter(adapter)
+            seq.adapter, seq.spec, seq.adapter_slot = adapter, loaded.spec, self._adapters.get_slot(adapter)
+            seq.adapter_digest = loaded.digest
+            if loaded.spec.needs_invocation:
                 seq.invocation_start = find_invocation_start(tokens, loaded.invocation)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.sequences[request_id] = seq
-        self.scheduler.add(seq)
+        self._scheduler.add(seq)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(tokens)
         return request_id
@@ -142,132 +141,86 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._scheduler.finish(seq, "abort")
         self.counters["aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._scheduler.has_work()
 
     # one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return outputs of requests that produced a token."""
-        plan = self.scheduler.schedule()
-        if not plan:
+        plans = self._scheduler.schedule()
+        if not plans:
             return []
-        rows, targets = self._layout(plan)
-        logits = self.model.forward(rows, self.kv_cache, self.adapters.lookup)
+        batch, tokens, records = self.runner.run(plans, self._adapters.lookup)
         self.counters["steps"] += 1
-        for item in plan:
-            item.seq.num_computed += item.n_compute
-            self.blocks.register_computed(item.seq)
-        outputs, now = [], time.perf_counter()
-        for row_logits, (index, position) in zip(logits, targets):
-            seq = plan[index].seq
+        now, sampled, samples = time.perf_counter(), [], iter(tokens)
+        for row, (index, position) in enumerate(batch.targets):
+            seq = plans[index].seq
             if position is not None:  # a prompt position scored for prompt_logprobs
-                seq.prompt_logprobs[position + 1] = top_logprobs(row_logits, seq.prompt[position + 1],
-                                                                 seq.params.prompt_logprobs)
+                seq.prompt_logprobs[position + 1] = records[row]
                 seq.scored = max(seq.scored, position + 1)
                 continue
-            token = sample(row_logits, seq.params, seq.generator)
+            token = next(samples)
             if seq.params.logprobs is not None:
-                seq.logprobs.append(top_logprobs(row_logits, token, seq.params.logprobs))
-            seq.output.append(token)
+                seq.logprobs.append(records[row])
             seq.token_times.append(now)
             seq.first_token = seq.first_token or now
-            self.counters["generated_tokens"] += 1
-            outputs.append(self._check_finished(seq))
+            sampled.append((seq, token))
+        texts: dict[str, str] = {}
+
+        def finish(seq: Sequence) -> str | None:
+            new_text = seq.detokenizer.update(seq.output)
+            reason, cut = stop_reason(seq, self.tokenizer.eos_token_id, self.max_model_len, new_text)
+            texts[seq.request_id] = seq.detokenizer.text[:cut]
+            return reason
+
+        outputs = []
+        for seq in self._scheduler.postprocess(plans, sampled, finish):
+            if seq.status is Status.FINISHED:
+                self.sequences.pop(seq.request_id, None)
+                self.counters["finished"] += 1
+            outputs.append(make_output(seq, texts[seq.request_id]))
+        self.counters["generated_tokens"] += len(sampled)
         return outputs
 
-    def _layout(self, plan: list[Scheduled]) -> tuple[Rows, list[tuple[int, int | None]]]:
-        """Flatten the plan into rows; also say what each logit row is for: (plan index,
-        None) samples the sequence's next token, (plan index, p) scores prompt token p + 1."""
-        tokens, positions, adapters, writes, row_seq, logit_rows = [], [], [], [], [], []
-        targets: list[tuple[int, int | None]] = []
-        bs = self.blocks.block_size
+    # what callers may ask ----------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
 
-        def add_row(index: int, seq: Sequence, pos: int, write: bool, adapter: bool) -> None:
-            tokens.append(seq.tokens[pos])
-            positions.append(pos)
-            adapters.append(seq.adapter_slot if adapter else -1)
-            writes.append(seq.block_table[pos // bs] * bs + pos % bs if write else -1)
-            row_seq.append(index)
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
 
-        for index, item in enumerate(plan):
-            seq = item.seq
-            active_from = seq.adapter_active_from()
-            uses_adapter = lambda pos: active_from is not None and pos >= active_from  # noqa: E731
-            first_row = len(tokens)
-            for pos in range(seq.num_computed, seq.num_computed + item.n_compute):
-                add_row(index, seq, pos, True, not seq.is_icarus and uses_adapter(pos))
-            scored_by_write, scored_read_only = seq.score_rows(item.n_compute)
-            for pos in scored_by_write:
-                logit_rows.append(first_row + pos - seq.num_computed)
-                targets.append((index, pos))
-            # read-only rows: ICaRus' adapter stream, or tokens whose KV came from the prefix
-            # cache (their KV must not be written twice)
-            for pos in scored_read_only:
-                add_row(index, seq, pos, False, uses_adapter(pos))
-                logit_rows.append(len(tokens) - 1)
-                targets.append((index, pos))
-            if item.wants_logits:
-                last = len(seq) - 1
-                if seq.is_icarus or item.n_compute == 0:
-                    add_row(index, seq, last, False, uses_adapter(last))
-                logit_rows.append(len(tokens) - 1 if seq.is_icarus or item.n_compute == 0
-                                  else first_row + item.n_compute - 1)
-                targets.append((index, None))
-        rows = Rows(torch.tensor(tokens), torch.tensor(positions), torch.tensor(adapters),
-                    torch.tensor(writes), row_seq, [p.seq.block_table for p in plan],
-                    torch.tensor(logit_rows, dtype=torch.long))
-        return rows, targets
+    def num_running(self) -> int:
+        return len(self._scheduler.running)
 
-    def _check_finished(self, seq: Sequence) -> RequestOutput:
-        params, token = seq.params, seq.output[-1]
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        reason = None
-        if not params.ignore_eos and token == self.tokenizer.eos_token_id:
-            reason = "stop"
-        elif token in params.stop_token_ids:
-            reason = "stop"
-        elif any(s in text for s in params.stop):
-            cut = min(text.find(s) for s in params.stop if s in text)
-            text, reason = text[:cut], "stop"
-        elif len(seq.output) >= params.max_tokens or len(seq) >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            seq.status, seq.finish_reason = Status.FINISHED, reason
-            self.scheduler.remove(seq)
-            self.sequences.pop(seq.request_id, None)
-            self.counters["finished"] += 1
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text, reason is not None,
-                             reason, seq.adapter, list(seq.logprobs), self._request_metrics(seq),
-                             list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is not fully computed yet (waiting ones included)."""
+        return self.num_waiting() + sum(1 for s in self._scheduler.running if s.num_computed < len(s.prompt))
 
-    def _request_metrics(self, seq: Sequence) -> dict:
-        times = seq.token_times
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        return {
-            "queue_time": (seq.first_scheduled or seq.arrival) - seq.arrival,
-            "time_to_first_token": (seq.first_token - seq.arrival) if seq.first_token else None,
-            "inter_token_latency": sum(gaps) / len(gaps) if gaps else None,
-            "e2e_time": (times[-1] - seq.arrival) if times else None,
-            "prompt_tokens": len(seq.prompt),
-            "prompt_tokens_cached": seq.num_cached_prompt,
-            "prompt_tokens_computed": len(seq.prompt) - seq.num_cached_prompt,
-            "preemptions": seq.preemptions,
-        }
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and zero the cache statistics (no request may be running)."""
+        self._blocks.reset()
+
+    def kv_usage(self) -> dict:
+        """Per pool: blocks in total, in use, shared, private, unsealed, cached-idle, and the
+        blocks holding KV (in use or kept for reuse) and their bytes."""
+        usage = self._blocks.usage()
+        holding = self._blocks.num_holding_kv
+        usage.update(blocks_holding_kv=holding, bytes_holding_kv=holding * self.block_size * self.kv_bytes_per_token)
+        return {"kv": usage}
 
     def stats(self) -> dict:
-        blocks = self.blocks.stats
-        queried = blocks["queried_tokens"]
+        cache = self._blocks.stats
         return {
-            **self.counters, **self.blocks.usage(),
-            "prefix_hit_rate": blocks["hit_tokens"] / queried if queried else 0.0,
-            "prefix_hit_tokens": blocks["hit_tokens"], "evictions": blocks["evictions"],
-            "preemptions": self.scheduler.preemptions,
-            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+            **self.counters, **self._blocks.usage(),
+            "prefix_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
+            "prefix_hit_tokens": cache.hit_tokens, "evictions": cache.evictions,
+            "preemptions": self._scheduler.preemptions,
+            "waiting": self.num_waiting(), "running": self.num_running(),
         }
 
 

@@ -9,32 +9,16 @@ transformers' batch-by-time layout cannot express. Numerics follow transformers'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import KvshareError
-from ..kernels import op
-from ..kernels.attention import attention_plan
-from ..kernels.lora import lora_groups
+from ..kernels import Kernels
 from ..safetensors_io import load_tensors, model_weight_files
-from .families import FAMILIES, rotary_for
-
-
-
-@dataclass
-class Rows:
-    """One forward pass: every row is one token of one sequence in one stream."""
-
-    tokens: torch.Tensor  # (R,) token ids
-    positions: torch.Tensor  # (R,) positions in their sequences
-    adapter_slots: torch.Tensor  # (R,) adapter slot per row, -1 = base weights
-    write_slots: torch.Tensor  # (R,) KV cache slot to write, -1 = read only
-    row_seq: list[int]  # (R,) sequence index; a sequence's rows are contiguous
-    block_tables: list[list[int]]  # per sequence index
-    logit_rows: torch.Tensor  # rows whose next-token logits are wanted
+from ..families import FAMILIES, rotary_for
+from .batch import Batch
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,7 +36,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Model:
     """Weights of a Llama-family base, loaded from safetensors, and its forward pass."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -69,11 +54,12 @@ class Model:
         w: dict[str, torch.Tensor] = {}
         for file in model_weight_files(model_dir):
             w.update(load_tensors(file))
-        w = {k: v.to(dtype) for k, v in w.items()}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
+        self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.final_norm = w["model.norm.weight"]
-        self.rotary = rotary_for(c.model_type, c)
+        self.rotary = rotary_for(c.model_type, c).to(device)
         # q/k/v and gate/up are fused into one matmul each (one read of x, fewer calls);
         # LoRA deltas are added to each projection's slice of the output.
         self.layers = []
@@ -97,25 +83,25 @@ class Model:
                             "gate_proj": self.inter, "up_proj": self.inter}
 
     @torch.no_grad()
-    def forward(self, rows: Rows, kv_cache: torch.Tensor, lora) -> torch.Tensor:
-        """Run the rows through the model, writing KV where asked; return logits of logit_rows.
+    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora, kernels: Kernels) -> torch.Tensor:
+        """Run the batch's rows through the model, writing KV where asked; return float32
+        logits of its logit rows.
 
         ``kv_cache`` is (2, layers, blocks, block_size, kv_heads, head_dim); ``lora(layer,
         name)`` gives each adapter slot's (A, B, scale) for a projection, or None.
         """
-        attention, write_kv, gathered = op("paged_attention"), op("write_kv"), op("gathered_lora")
-        groups = lora_groups(rows.adapter_slots)
-        h = F.embedding(rows.tokens, self.embed)
-        cos, sin = self.rotary(h, rows.positions[None])
+        meta, groups = batch.attention, batch.lora_groups
+        all_write = not batch.has_read_only
+        h = F.embedding(batch.tokens, self.embed)
+        cos, sin = self.rotary(h, meta.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
         n = h.shape[0]
-        plan = attention_plan(rows.row_seq, rows.positions, rows.block_tables, kv_cache.shape[3])
 
         def adapt(i: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
             """Split a fused output into its projections and add each one's LoRA delta."""
             parts = list(torch.split(y, [self.split_sizes.get(name, y.shape[-1]) for name in names], dim=-1))
             if groups:
-                parts = [gathered(x, part, groups, lora(i, name)) for part, name in zip(parts, names)]
+                parts = [kernels.gathered_lora(x, part, groups, lora(i, name)) for part, name in zip(parts, names)]
             return parts
 
         for i, L in enumerate(self.layers):
@@ -129,12 +115,12 @@ class Model:
                 k = _rms_norm(k, L["k_norm"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            write_kv(kv_cache[0, i], kv_cache[1, i], k, v, rows.write_slots)
-            a = attention(q, kv_cache[0, i], kv_cache[1, i], plan, self.scale).reshape(n, self.q_size)
+            kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, all_write)
+            a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale).reshape(n, self.q_size)
             h = h + adapt(i, ("o_proj",), a, F.linear(a, L["o"]))[0]
             x = _rms_norm(h, L["post_norm"], self.eps)
             gate, up = adapt(i, ("gate_proj", "up_proj"), x, F.linear(x, L["gate_up"]))
             act = F.silu(gate) * up
             h = h + adapt(i, ("down_proj",), act, F.linear(act, L["down"]))[0]
-        h = _rms_norm(h[rows.logit_rows], self.final_norm, self.eps)
+        h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
         return F.linear(h, self.lm_head).float()

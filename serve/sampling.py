@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters as vLLM users know them (the sampler itself is :mod:`.sampler`)."""
 
 from __future__ import annotations
 
@@ -38,31 +38,3 @@ class SamplingParams:
                 raise KvshareError(f"{name} must be >= 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from one row of float32 logits."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scores = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
-        scores = scores.clone()
-        scores[order[drop]] = float("-inf")
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
-    logp = torch.log_softmax(logits, dim=-1)
-    top = torch.topk(logp, k) if k else None
-    return {
-        "token": token,
-        "logprob": float(logp[token]),
-        "top": {int(i): float(v) for i, v in zip(top.indices, top.values)} if top is not None else {},
-    }

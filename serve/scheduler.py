@@ -6,23 +6,22 @@ step's token budget is spent, then admits waiting sequences in arrival order. Wh
 pool cannot hold a sequence's next token, the newest running sequence is preempted: its
 blocks are released and it waits at the front of the queue to be recomputed, so no one
 starves and outputs are unchanged.
+
+The scheduler owns the sequence lifecycle, as in nano-vllm: admission, chunking and
+preemption here, and after the model ran, :meth:`Scheduler.postprocess` advances computed
+counts, publishes completed blocks, appends sampled tokens and finishes and frees sequences.
+Row costs come from the row planner (:mod:`.batch`), the same one that builds the batch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import Callable
 
-from .block_manager import BlockManager, OutOfBlocks, PrefixPending
+from .batch import StepPlan, plan_step
+from .cache import BlockManager, OutOfBlocks, PrefixPending
 from .sequence import Sequence, Status
-
-
-@dataclass
-class Scheduled:
-    seq: Sequence
-    n_compute: int  # tokens whose KV this step computes
-    wants_logits: bool
 
 
 class Scheduler:
@@ -48,12 +47,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _rows(self, seq: Sequence, n_compute: int, wants_logits: bool) -> int:
-        """Rows a step of this sequence costs: ICaRus adds an adapter row when it samples,
-        prompt scoring adds the read-only rows of ``Sequence.score_rows``."""
-        extra = 1 if wants_logits and (seq.is_icarus or n_compute == 0) else 0
-        return n_compute + extra + len(seq.score_rows(n_compute)[1])
-
     def _fit(self, seq: Sequence, budget: int, alone: bool) -> int:
         """Most tokens of ``seq`` this step can compute within ``budget`` rows. Prompt scoring
         costs more than a row per token (an ICaRus position adds its read-only adapter row;
@@ -61,10 +54,12 @@ class Scheduler:
         alone in the step always gets a token, so that a backlog of read-only rows larger
         than the budget cannot stall it (that one step runs over the budget)."""
         todo = len(seq) - seq.num_computed
-        n = max(0, min(todo, budget - (1 if seq.is_icarus else 0)))
-        if seq.params.prompt_logprobs is not None:
-            fits = lambda k: self._rows(seq, k, seq.num_computed + k == len(seq)) <= budget  # noqa: E731
-            lo, hi = 0, n  # rows grow with the chunk: binary search for the largest that fits
+        if seq.params.prompt_logprobs is None:
+            extra = plan_step(seq, todo).num_rows - todo if todo else 0  # e.g. the ICaRus adapter row
+            n = max(0, min(todo, budget - extra))
+        else:
+            fits = lambda k: plan_step(seq, k).num_rows <= budget  # noqa: E731
+            lo, hi = 0, max(0, min(todo, budget))  # rows grow with the chunk: binary search
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -85,9 +80,9 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return True
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self) -> list[StepPlan]:
         budget = self.max_batched_tokens
-        plan: list[Scheduled] = []
+        plan: list[StepPlan] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted while making room for an older sequence
@@ -105,9 +100,8 @@ class Scheduler:
                     if not self._preempt_newest(keep=seq):
                         raise
                     plan = [p for p in plan if p.seq in self.running]
-            wants = seq.num_computed + n == len(seq)
-            plan.append(Scheduled(seq, n, wants))
-            budget -= self._rows(seq, n, wants)
+            plan.append(plan_step(seq, n))
+            budget -= plan[-1].num_rows
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             try:
@@ -124,7 +118,28 @@ class Scheduler:
             n = self._fit(seq, budget, alone=not plan)
             if todo and n == 0:
                 break
-            wants = seq.num_computed + n == len(seq)
-            plan.append(Scheduled(seq, n, wants))
-            budget -= self._rows(seq, n, wants)
+            plan.append(plan_step(seq, n))
+            budget -= plan[-1].num_rows
         return plan
+
+    # after the model ran ---------------------------------------------------------------------
+    def postprocess(self, plan: list[StepPlan], sampled: list[tuple[Sequence, int]],
+                    finish: Callable[[Sequence], str | None]) -> list[Sequence]:
+        """Advance each planned sequence, publish its completed blocks, append its sampled
+        token, and finish (and free) the sequences ``finish`` names a reason for. Returns the
+        sequences that produced a token."""
+        for item in plan:
+            item.seq.num_computed += item.n_compute
+            self.blocks.register_computed(item.seq)
+        produced = []
+        for seq, token in sampled:
+            seq.output.append(token)
+            reason = finish(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+            produced.append(seq)
+        return produced
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.remove(seq)

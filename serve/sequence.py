@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from ..sharing import AdapterKind
+from ..kinds import BASE, KindSpec
 from .sampling import SamplingParams
 
 
@@ -24,8 +24,9 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     adapter: str | None = None  # adapter name, None = base
-    kind: AdapterKind | None = None
+    spec: KindSpec = BASE  # the adapter kind's serving behaviour
     adapter_slot: int = -1
+    adapter_digest: str | None = None  # content digest: the owner of the adapter's KV blocks
     invocation_start: int | None = None  # aLoRA: start of the last invocation in the prompt
     arrival: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
@@ -45,6 +46,7 @@ class Sequence:
     preemptions: int = 0
     generator: torch.Generator | None = None
     hints: dict = field(default_factory=dict)  # workflow hints, e.g. {"next_agents": [...]}
+    detokenizer: object | None = None  # output.IncrementalDetokenizer, set by the engine
 
     @property
     def tokens(self) -> list[int]:
@@ -53,30 +55,10 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    @property
-    def is_icarus(self) -> bool:
-        return self.kind is AdapterKind.ICARUS
+    def kv_adapted(self, position: int) -> bool:
+        """Whether the adapter's weights compute this position's K/V (its KV-writing row)."""
+        return self.spec.kv_from_adapter(position, self.invocation_start)
 
-    def score_rows(self, n_compute: int) -> tuple[list[int], list[int]]:
-        """Prompt positions whose logits this step collects, for ``prompt_logprobs``.
-
-        Returns (positions whose KV-writing row gives the logits, positions that need an
-        extra read-only row). Read-only rows serve positions taken from the prefix cache (no
-        row computes them) and every ICaRus position (the adapter's logits come from its
-        own query over the base's KV, not from the base row that writes it).
-        """
-        if self.params.prompt_logprobs is None:
-            return [], []
-        last = len(self.prompt) - 1  # logits at positions < last score prompt tokens 1..last
-        start, end = self.num_computed, min(self.num_computed + n_compute, last)
-        cached = list(range(self.scored, min(start, last)))
-        fresh = list(range(max(start, self.scored), end))
-        return ([], cached + fresh) if self.is_icarus else (fresh, cached)
-
-    def adapter_active_from(self) -> int | None:
-        """First position whose projections use the adapter (None: never)."""
-        if self.kind is None:
-            return None
-        if self.kind is AdapterKind.ALORA:
-            return self.invocation_start
-        return 0  # lora everywhere; icarus rows are the adapter's own stream
+    def query_adapted(self, position: int) -> bool:
+        """Whether the adapter's weights compute this position's logits."""
+        return self.spec.query_from_adapter(position, self.invocation_start)

@@ -152,7 +152,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     def resolve(model: str) -> str | None:
         if model == base_name:
             return None
-        if model in engine.adapters.by_name:
+        if any(a.name == model for a in engine.adapters()):
             return model
         raise ApiError(404, f"model {model!r} does not exist", kind="not_found_error", param="model")
 
@@ -264,9 +264,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def models():
         now = int(time.time())
         data = [{"id": base_name, "object": "model", "created": now, "owned_by": "kvshare", "kind": "base"}]
-        for name, slot in engine.adapters.by_name.items():
-            adapter = engine.adapters.slots[slot]
-            data.append({"id": name, "object": "model", "created": now, "owned_by": "kvshare",
+        for adapter in engine.adapters():
+            data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
                          "root": base_name, "parent": base_name, "kind": adapter.kind.value,
                          "kv_sharing": adapter.manifest["kv_sharing"]["scope"]})
         return {"object": "list", "data": data}

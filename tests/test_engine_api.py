@@ -136,8 +136,8 @@ def test_capacity_in_tokens_or_bytes(base):
     by_tokens = LLM(base, kv_cache_tokens=640, block_size=16).engine
     per_token = by_tokens.kv_bytes_per_token
     by_bytes = LLM(base, kv_cache_bytes=640 * per_token, block_size=16).engine
-    assert len(by_tokens.blocks.blocks) == len(by_bytes.blocks.blocks) == 40
-    assert by_bytes.kv_cache.numel() * by_bytes.kv_cache.element_size() == 640 * per_token
+    assert by_tokens.kv_usage()["kv"]["blocks_total"] == by_bytes.kv_usage()["kv"]["blocks_total"] == 40
+    assert by_bytes.runner.kv_cache.numel() * by_bytes.runner.kv_cache.element_size() == 640 * per_token
     small = LLM(base, kv_cache_tokens=256, block_size=16).engine
     with pytest.raises(KvshareError, match="KV blocks"):  # could never fit, even alone
         small.add_request(list(range(5, 400)), SamplingParams(max_tokens=100))

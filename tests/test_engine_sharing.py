@@ -42,7 +42,7 @@ def test_alora_shares_exactly_the_blocks_before_its_invocation(llm, tokenizer, i
     shared = start // BS * BS
     assert cached(llm, prompt)[0] == 0
     assert cached(llm, prompt, "alora-a")[0] == shared  # base KV before the invocation
-    llm2 = LLM(llm.engine.model_dir, [a.path for a in llm.engine.adapters.slots], kv_cache_tokens=4096, block_size=BS)
+    llm2 = LLM(llm.engine.model_dir, [a.path for a in llm.engine.adapters()], kv_cache_tokens=4096, block_size=BS)
     assert cached(llm2, prompt, "alora-a")[0] == 0
     assert cached(llm2, prompt)[0] == shared  # the base never reads post-invocation blocks
     assert cached(llm2, prompt, "alora-a")[0] == len(prompt) // BS * BS
@@ -69,20 +69,21 @@ def test_adapter_for_another_base_is_refused(tiny_models, adapters):
         LLM(other, [adapters["icarus-a"]], kv_cache_tokens=256)
 
 
-def expected_owner(kind, adapter, block_end, invocation_start):
-    """The sharing rule restated independently of kvshare.sharing, for the property test."""
+def expected_owner(kind, digest, block_end, invocation_start):
+    """The sharing rule restated independently of kvshare.kinds, for the property test: the
+    owner of adapter KV is the adapter's content digest."""
     if kind in (None, "icarus"):
         return None
     if kind == "lora":
-        return adapter
-    return adapter if invocation_start is not None and block_end > invocation_start else None
+        return digest
+    return digest if invocation_start is not None and block_end > invocation_start else None
 
 
 def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer, invocation):
     rng = random.Random(0)
     llm = LLM(base, list(adapters.values()), kv_cache_tokens=BS * 90, block_size=BS,
               max_num_batched_tokens=48)
-    engine, blocks = llm.engine, llm.engine.blocks
+    engine, blocks = llm.engine, llm.engine._blocks  # the cache package's block manager
     kinds = {None: None, "lora-a": "lora", "lora-b": "lora", "alora-a": "alora",
              "icarus-a": "icarus", "icarus-b": "icarus"}
     segments = [p[:6] for p in prompts_for(tokenizer, 3)] + [invocation]
@@ -95,7 +96,8 @@ def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer,
         kind = kinds[seq.adapter]
         for index in range(seq.hashed_blocks):  # blocks served from the prefix cache
             block = blocks.blocks[seq.block_table[index]]
-            owner = expected_owner(kind, seq.adapter, (index + 1) * BS, seq.invocation_start)
+            digest = engine.adapter(seq.adapter).digest if seq.adapter else None
+            owner = expected_owner(kind, digest, (index + 1) * BS, seq.invocation_start)
             assert block.owner == owner, (seq.adapter, index, block.owner)
             checked_blocks += 1
 

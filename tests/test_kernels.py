@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from kvshare.kernels import op, use
-from kvshare.kernels.attention import attention_plan
+from kvshare.errors import KvshareError
+from kvshare.kernels import Kernels, build_attention_metadata
 from kvshare.kernels.lora import lora_groups
+
+REF = Kernels("torch")
 
 
 def dense_causal(q, k, v, positions, scale):
@@ -43,8 +45,9 @@ def test_paged_attention_equals_dense_attention(seed):
         rows_pos += positions
         dense.append((keys, values, torch.tensor(positions)))
     q = torch.randn(len(rows_seq), n_q, d, generator=gen)
-    pos = torch.tensor(rows_pos)
-    got = op("paged_attention")(q, k_cache, v_cache, attention_plan(rows_seq, pos, tables, block_size), d ** -0.5)
+    writes = [-1] * len(rows_pos)
+    meta = build_attention_metadata(rows_seq, rows_pos, writes, tables, block_size)
+    got = REF.paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
     start = 0
     for keys, values, positions in dense:
         end = start + len(positions)
@@ -56,7 +59,7 @@ def test_paged_attention_equals_dense_attention(seed):
 def test_write_kv_skips_read_only_rows():
     k_cache, v_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
     k = torch.arange(6.0).view(3, 1, 2)
-    op("write_kv")(k_cache, v_cache, k, -k, torch.tensor([5, -1, 0]))
+    REF.write_kv(k_cache, v_cache, k, -k, torch.tensor([5, -1, 0]))
     flat = k_cache.view(-1, 1, 2)
     assert torch.equal(flat[5], k[0]) and torch.equal(flat[0], k[2])
     assert flat[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
@@ -69,7 +72,7 @@ def test_gathered_lora_equals_a_per_row_loop():
     weights = [(torch.randn(4, 16, generator=gen), torch.randn(12, 4, generator=gen), 2.0), None,
                (torch.randn(8, 16, generator=gen), torch.randn(12, 8, generator=gen), 0.5)]
     index = torch.tensor([0, -1, 2, 1, 0, 2, -1])
-    got = op("gathered_lora")(x, base, lora_groups(index), weights)
+    got = REF.gathered_lora(x, base, lora_groups(index.tolist()), weights)
     for r in range(7):
         slot = int(index[r])
         want = base[r].clone()
@@ -80,5 +83,5 @@ def test_gathered_lora_equals_a_per_row_loop():
 
 
 def test_dispatch_refuses_unknown_backends():
-    with pytest.raises(KeyError):
-        use("paged_attention", "triton-that-is-not-registered")
+    with pytest.raises(KvshareError, match="no 'triton-that-is-not-registered' implementation"):
+        Kernels({"paged_attention": "triton-that-is-not-registered"})

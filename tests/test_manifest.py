@@ -9,7 +9,7 @@ import pytest
 
 from kvshare import manifest
 from kvshare.errors import KvshareError
-from kvshare.sharing import SHARING_RULES, AdapterKind
+from kvshare.kinds import KINDS as SHARING_RULES, AdapterKind
 
 FP = "sha256:" + "ab" * 32
 
@@ -37,7 +37,7 @@ def test_build_write_read_roundtrip(tmp_path, kind):
 
 
 def test_schema_constants_agree_with_sharing_rules():
-    """The schema restates each kind's scope; it must say what sharing.py says."""
+    """The schema restates each kind's scope; it must say what kinds.py says."""
     conditions = manifest.schema()["allOf"]
     stated = {c["if"]["properties"]["kind"]["const"]:
               c["then"]["properties"]["kv_sharing"]["properties"]["scope"]["const"]
@@ -45,7 +45,7 @@ def test_schema_constants_agree_with_sharing_rules():
     assert stated == {k.value: r.scope.value for k, r in SHARING_RULES.items()}
     icarus = next(c for c in conditions if c["if"]["properties"]["kind"]["const"] == "icarus")
     forbidden = icarus["then"]["properties"]["lora"]["properties"]["target_modules"]["items"]
-    assert tuple(forbidden["not"]["enum"]) == SHARING_RULES[AdapterKind.ICARUS].forbidden_target_modules
+    assert tuple(forbidden["not"]["enum"]) == SHARING_RULES[AdapterKind.ICARUS].forbidden_targets
 
 
 def test_write_refuses_invalid_and_writes_nothing(tmp_path):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvshare.errors import KvshareError
-from kvshare.train.recipe import DEFAULT_TARGETS, load_recipe
+from kvshare.kinds import kind_spec
+from kvshare.train.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -45,7 +46,7 @@ def test_shipped_recipe_is_valid(path):
 def test_defaults_and_overrides(tmp_path):
     recipe = load_recipe(write(tmp_path, BASE), ["train.lr=1e-4", "adapter.rank=4", "train.seed=3"])
     assert recipe.train.lr == 1e-4 and recipe.adapter.rank == 4 and recipe.train.seed == 3
-    assert recipe.adapter.target_modules == DEFAULT_TARGETS[recipe.adapter.kind]
+    assert recipe.adapter.target_modules == list(kind_spec(recipe.adapter.kind).default_targets)
     assert recipe.train.schedule == "cosine"
 
 

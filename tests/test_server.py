@@ -60,7 +60,7 @@ def test_completion_matches_the_engine(client, server, tokenizer):
     prompt = "What is 12 plus 30? Answer:"
     out = client.completions.create(model="lora-a", prompt=prompt, max_tokens=12, temperature=0)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    direct = LLMEngine(server["engine"].model_dir, [server["engine"].adapters.get("lora-a").path],
+    direct = LLMEngine(server["engine"].model_dir, [server["engine"].adapter("lora-a").path],
                        kv_cache_tokens=1024, block_size=8)
     rid = direct.add_request(ids, SamplingParams(max_tokens=12), adapter="lora-a")
     text = None
@@ -145,7 +145,7 @@ def test_metrics_exposes_engine_counters_and_latency_histograms(client, server):
 
 def test_an_engine_failure_fails_the_request_not_the_server(client, server, monkeypatch):
     engine = server["engine"]
-    real_forward = engine.model.forward
+    real_forward = engine.runner.model.forward
     calls = {"n": 0}
 
     def broken_once(*args, **kwargs):
@@ -154,7 +154,7 @@ def test_an_engine_failure_fails_the_request_not_the_server(client, server, monk
             raise RuntimeError("simulated kernel fault")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine.model, "forward", broken_once)
+    monkeypatch.setattr(engine.runner.model, "forward", broken_once)
     with pytest.raises(openai.InternalServerError):
         client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
     out = client.completions.create(model="tiny-base", prompt="Rome is", max_tokens=3, temperature=0)
@@ -170,7 +170,7 @@ def test_echo_with_logprobs_scores_a_batch_of_prompts_as_the_engine_does(client,
     prompts = prompts_for(tokenizer, 2)
     out = client.completions.create(model=model, prompt=prompts, max_tokens=1, logprobs=2, echo=True, temperature=0)
     engine = server["engine"]
-    direct = LLMEngine(engine.model_dir, [engine.adapters.get(model).path], kv_cache_tokens=1024, block_size=8)
+    direct = LLMEngine(engine.model_dir, [engine.adapter(model).path], kv_cache_tokens=1024, block_size=8)
     assert [c.index for c in out.choices] == [0, 1]
     for choice, prompt in zip(out.choices, prompts):
         rid = direct.add_request(prompt, SamplingParams(max_tokens=1, logprobs=2, prompt_logprobs=2), adapter=model)
@@ -209,7 +209,7 @@ def test_lm_evals_local_completions_scores_through_the_server(server, monkeypatc
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
     remote = LocalCompletionsAPI(base_url=server["url"] + "/v1/completions", model="lora-a",
                                  tokenizer=str(engine.model_dir), tokenizer_backend="huggingface", batch_size=2)
-    local = KvshareLM(pretrained=str(engine.model_dir), adapter=str(engine.adapters.get("lora-a").path))
+    local = KvshareLM(pretrained=str(engine.model_dir), adapter=str(engine.adapter("lora-a").path))
     got = remote.loglikelihood(requests, disable_tqdm=True)
     want = local.loglikelihood(requests, disable_tqdm=True)
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)

@@ -13,14 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..yamlspec import load_spec
-from ..sharing import AdapterKind, sharing_rule
+from ..kinds import AdapterKind, kind_spec
 
-DEFAULT_TARGETS = {
-    AdapterKind.LORA: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    # K/V must stay the base's; LoRA there would be dead weight (BRIEF.md, ICaRus).
-    AdapterKind.ICARUS: ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    AdapterKind.ALORA: ["q_proj", "k_proj", "v_proj"],
-}
 
 
 class _Strict(BaseModel):
@@ -38,17 +32,17 @@ class AdapterSpec(_Strict):
     @model_validator(mode="after")
     def _kind_rules(self):
         if self.target_modules is None:
-            self.target_modules = list(DEFAULT_TARGETS[self.kind])
-        forbidden = sorted(set(self.target_modules) & set(sharing_rule(self.kind).forbidden_target_modules))
+            self.target_modules = list(kind_spec(self.kind).default_targets)
+        forbidden = sorted(set(self.target_modules) & set(kind_spec(self.kind).forbidden_targets))
         if forbidden:
             raise ValueError(
                 f"an {self.kind.value} adapter may not target {', '.join(forbidden)}: keys and values "
                 "always come from the frozen base, so LoRA there would be dead weight and would "
                 "break KV sharing"
             )
-        if self.kind is AdapterKind.ALORA and not self.invocation:
+        if kind_spec(self.kind).needs_invocation and not self.invocation:
             raise ValueError("an alora adapter needs an invocation string")
-        if self.kind is not AdapterKind.ALORA and self.invocation:
+        if not kind_spec(self.kind).needs_invocation and self.invocation:
             raise ValueError(f"invocation is only for alora adapters, not {self.kind.value}")
         return self
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..errors import KvshareError
 from ..hardware import resolve_mixed_precision, warn_if_bf16_is_slow
 from ..models import resolve_model_dir
-from ..sharing import AdapterKind
+from ..kinds import kind_spec
 from . import checkpoint as ckpt
 from .collate import collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
@@ -54,7 +54,7 @@ def build_model(recipe: Recipe, base_dir: Path):
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
                                                 use_safetensors=True, local_files_only=True)
     spec = recipe.adapter
-    invocation = invocation_ids(tokenizer, spec.invocation) if spec.kind is AdapterKind.ALORA else None
+    invocation = invocation_ids(tokenizer, spec.invocation) if kind_spec(spec.kind).needs_invocation else None
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
@@ -63,7 +63,7 @@ def build_model(recipe: Recipe, base_dir: Path):
         alora_invocation_tokens=invocation,
     )
     model = get_peft_model(base, config)
-    if spec.kind is AdapterKind.ICARUS:
+    if kind_spec(spec.kind).base_kv_only:
         enable_icarus_attention(model)
     return model, tokenizer, invocation
 
@@ -155,7 +155,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         (run_dir / "recipe.resolved.json").write_text(recipe.model_dump_json(indent=1))
 
     def forward(batch):
-        if recipe.adapter.kind is AdapterKind.ICARUS:
+        if kind_spec(recipe.adapter.kind).base_kv_only:
             return icarus_forward(model, batch["input_ids"], batch["attention_mask"],
                                   batch["labels"], peft_model=peft_model)
         return model(**batch)

@@ -1,4 +1,4 @@
-"""Supported model families: the one file to touch to add one.
+"""Supported model families: the one table of them (models, engine, tests read it here).
 
 All are Llama-style decoders (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP); they
 differ in biases on q/k/v (Qwen2; read from the checkpoint when present), a per-head RMSNorm
@@ -9,6 +9,7 @@ cos/sin are bit-identical to the reference.
 from __future__ import annotations
 
 import importlib
+
 # model_type -> dotted path of the transformers RoPE module of that family
 FAMILIES: dict[str, str] = {
     "llama": "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding",

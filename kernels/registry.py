@@ -1,0 +1,53 @@
+"""Kernel implementations by (operation, backend), and each engine's own selection.
+
+Implementations register process-wide (the plain-torch references here; Triton ones when
+Triton and a GPU are present); *selection* is per engine (:class:`Kernels`), so two engines
+in one process can run different backends. Every backend is tested against the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
+from .attention import paged_attention_ref, write_kv_ref
+from .lora import gathered_lora_ref
+
+OPERATIONS = ("paged_attention", "write_kv", "gathered_lora")
+
+_IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
+    ("paged_attention", "torch"): paged_attention_ref,
+    ("write_kv", "torch"): write_kv_ref,
+    ("gathered_lora", "torch"): gathered_lora_ref,
+}
+
+
+def register(name: str, backend: str, fn: Callable) -> None:
+    """Add an implementation of operation ``name`` under ``backend``."""
+    if name not in OPERATIONS:
+        raise ValueError(f"unknown kernel operation {name!r}")
+    _IMPLEMENTATIONS[(name, backend)] = fn
+
+
+def backends(name: str) -> list[str]:
+    return sorted(b for (n, b) in _IMPLEMENTATIONS if n == name)
+
+
+class Kernels:
+    """One engine's choice of implementation per operation (default: the torch references).
+
+    ``Kernels("torch")`` picks one backend for all; ``Kernels({"paged_attention": "triton"})``
+    overrides single operations.
+    """
+
+    def __init__(self, backend: str | dict[str, str] = "torch"):
+        choice = {name: "torch" for name in OPERATIONS}
+        choice.update({name: backend for name in OPERATIONS} if isinstance(backend, str) else backend)
+        for name, chosen in choice.items():
+            if (name, chosen) not in _IMPLEMENTATIONS:
+                raise KvshareError(f"no {chosen!r} implementation of kernel {name!r} "
+                                   f"(available: {', '.join(backends(name)) or 'none'})")
+        self.choice = choice
+        self.paged_attention = _IMPLEMENTATIONS[("paged_attention", choice["paged_attention"])]
+        self.write_kv = _IMPLEMENTATIONS[("write_kv", choice["write_kv"])]
+        self.gathered_lora = _IMPLEMENTATIONS[("gathered_lora", choice["gathered_lora"])]

@@ -1,0 +1,101 @@
+"""What a request gives back: its output record, incremental text, stop rules, metrics.
+
+Text is detokenised incrementally (vLLM's prefix/read-offset scheme): each new token decodes
+only a short window, not the whole output, and a window ending in an incomplete UTF-8
+character waits for the next token. Stop strings are searched only in the new tail (plus
+the longest stop string's overlap), so a step costs the same at token 10 and token 10,000.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+# tokens decoded before the new ones, so that merges and leading spaces come out right
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    adapter: str | None
+    logprobs: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict | None] | None = None  # [None, {token, logprob, top}, ...]
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, decoding only what is new."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix_offset = 0  # first token of the decode window
+        self.read_offset = 0  # tokens before this are reflected in ``text``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, ids: list[int]) -> str:
+        """Account for ``ids`` (the whole output so far); return the text it added."""
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        full = self._decode(ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing printable yet (a special token, or half a UTF-8 character)
+        delta = full[len(prefix):]
+        self.text += delta
+        self.prefix_offset = max(self.read_offset, len(ids) - _CONTEXT_TOKENS)
+        self.read_offset = len(ids)
+        return delta
+
+
+def stop_reason(seq: Sequence, eos_token_id: int | None, max_model_len: int,
+                new_text: str) -> tuple[str | None, int | None]:
+    """Why ``seq`` stops after its newest token, if it does, and where its text is cut.
+
+    Returns (reason, cut): reason is "stop" or "length" (None: go on); cut is the text
+    length to keep when a stop string matched.
+    """
+    params, token = seq.params, seq.output[-1]
+    if not params.ignore_eos and token == eos_token_id:
+        return "stop", None
+    if token in params.stop_token_ids:
+        return "stop", None
+    if params.stop and new_text:
+        text = seq.detokenizer.text
+        longest = max(len(s) for s in params.stop)
+        since = max(0, len(text) - len(new_text) - longest + 1)  # a match may straddle the tail
+        hits = [i for i in (text.find(s, since) for s in params.stop) if i >= 0]
+        if hits:
+            return "stop", min(hits)
+    if len(seq.output) >= params.max_tokens or len(seq) >= max_model_len:
+        return "length", None
+    return None, None
+
+
+def request_metrics(seq: Sequence) -> dict:
+    times = seq.token_times
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {
+        "queue_time": (seq.first_scheduled or seq.arrival) - seq.arrival,
+        "time_to_first_token": (seq.first_token - seq.arrival) if seq.first_token else None,
+        "inter_token_latency": sum(gaps) / len(gaps) if gaps else None,
+        "e2e_time": (times[-1] - seq.arrival) if times else None,
+        "prompt_tokens": len(seq.prompt),
+        "prompt_tokens_cached": seq.num_cached_prompt,
+        "prompt_tokens_computed": len(seq.prompt) - seq.num_cached_prompt,
+        "preemptions": seq.preemptions,
+    }
+
+
+def make_output(seq: Sequence, text: str) -> RequestOutput:
+    return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text,
+                         seq.finish_reason is not None, seq.finish_reason, seq.adapter,
+                         list(seq.logprobs), request_metrics(seq),
+                         list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

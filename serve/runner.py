@@ -1,0 +1,78 @@
+"""The model runner: owns the device, the weights, the KV memory and the kernel choice.
+
+The engine hands it a step's plans; it builds the batch (tensor metadata, once per step),
+runs the model, samples every logit row in one call and returns host-side results. Nothing
+else touches device tensors, so the engine and scheduler are plain Python over integers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import KvshareError
+from ..kernels import Kernels
+from .batch import Batch, StepPlan, build_batch
+from .model import Model
+from .sampler import logprobs_batch, sample_batch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KvshareError("device 'cuda' was asked for, but torch sees no CUDA GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise KvshareError(f"device must be cpu or cuda, not {device.type!r}")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
+                 kernels: Kernels):
+        self.device = device
+        self.dtype = dtype
+        self.model = Model(model_dir, dtype, device)
+        self.kernels = kernels
+        self.block_size = block_size
+        m = self.model
+        self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv * m.head_dim * torch.finfo(dtype).bits // 8
+        if kv_cache_bytes is not None:
+            kv_cache_tokens = kv_cache_bytes // self.kv_bytes_per_token
+        kv_cache_tokens = kv_cache_tokens or 16384
+        self.num_blocks = max(1, kv_cache_tokens // block_size)
+        self.kv_cache = torch.zeros(2, m.n_layers, self.num_blocks, block_size, m.n_kv, m.head_dim,
+                                    dtype=dtype, device=device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed.shape[0]
+
+    def run(self, plans: list[StepPlan], lora) -> tuple[Batch, list[int], dict[int, dict]]:
+        """Run one step: (the batch, sampled token per sampling row in target order,
+        logprob records keyed by logit row for rows that want them)."""
+        batch = build_batch(plans, self.block_size, self.device)
+        logits = self.model.forward(batch, self.kv_cache, lora, self.kernels)
+        sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
+        seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
+        index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+        sample_logits = logits.index_select(0, index)
+        tokens = sample_batch(sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
+        records: dict[int, dict] = {}
+        # rows whose logprobs are wanted: sampled rows with params.logprobs, every scoring row
+        wanted, chosen, ks = [], [], []
+        for row, seq, token in zip(sample_rows, seqs, tokens):
+            if seq.params.logprobs is not None:
+                wanted.append(row), chosen.append(token), ks.append(seq.params.logprobs)
+        for row, (i, pos) in enumerate(batch.targets):
+            if pos is not None:
+                seq = plans[i].seq
+                wanted.append(row), chosen.append(seq.prompt[pos + 1]), ks.append(seq.params.prompt_logprobs)
+        if wanted:
+            rows = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+            for row, record in zip(wanted, logprobs_batch(logits.index_select(0, rows), chosen, ks)):
+                records[row] = record
+        return batch, tokens, records
