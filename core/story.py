@@ -88,7 +88,7 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
               examples: int = 400, workflows: int = 3, turns: int = 4, max_tokens: int = 24,
               context_tokens: int = 384) -> dict:
     from .serve import LLMEngine, SamplingParams
-    from .serve.bench_workflow import hotpot_contexts
+    from .eval.perf.workflow import hotpot_contexts
 
     workdir = Path(workdir)
     if model in zoo.ZOO and not Path(model).is_dir():

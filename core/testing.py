@@ -126,42 +126,5 @@ def make_tiny_model(
     return out
 
 
-ICARUS_TARGETS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def make_peft_adapter(
-    base_dir: Path | str,
-    out_dir: Path | str,
-    *,
-    target_modules: tuple[str, ...] | list[str] = ICARUS_TARGETS,
-    rank: int = 4,
-    alpha: float = 8.0,
-    invocation_tokens: list[int] | None = None,
-    task_type: str | None = "CAUSAL_LM",
-    seed: int = 0,
-) -> Path:
-    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B.
-
-    PEFT initialises B to zero (an adapter equal to the base); tests of sharing need
-    adapters that really change the output, so both factors are randomised here.
-    """
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=list(target_modules),
-        task_type=task_type,
-        alora_invocation_tokens=invocation_tokens,
-    )
-    model = get_peft_model(base, config)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_A" in name or "lora_B" in name:
-                    param.normal_(0.0, 0.2)
-    model.save_pretrained(str(out_dir))
-    return Path(out_dir)
+# random non-zero adapters live in random_adapters.py (benchmarks use them too)
+from .random_adapters import ICARUS_TARGETS, make_peft_adapter  # noqa: E402,F401

@@ -23,16 +23,18 @@ from .metadata import AttentionMetadata
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor, all_write: bool = False) -> None:
+                 slots: torch.Tensor, write_rows: torch.Tensor | None = None) -> None:
     """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store.
 
-    ``all_write`` says (from the host) that no row is read-only, which skips the filter.
+    ``write_rows`` (from the metadata: the rows whose slot is not -1, found on the host)
+    avoids a boolean filter, which would make the device report a count mid-step.
     """
-    if all_write:
+    if write_rows is None:
+        write_rows = (slots >= 0).nonzero().squeeze(1)
+    if len(write_rows) == len(slots):
         index = slots
     else:
-        keep = slots >= 0
-        index, k, v = slots[keep], k[keep], v[keep]
+        index, k, v = slots.index_select(0, write_rows), k.index_select(0, write_rows), v.index_select(0, write_rows)
     k_cache.view(-1, *k_cache.shape[2:])[index] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[index] = v.to(v_cache.dtype)
 

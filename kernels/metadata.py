@@ -22,6 +22,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # (S,) int32: keys each sequence's rows may read (max position + 1)
     block_tables: torch.Tensor  # (S, max blocks) int32, padded with 0
     key_slots: torch.Tensor  # flat slots of every sequence's keys, concatenated (torch reference)
+    write_rows: torch.Tensor  # rows that write KV (slot_mapping >= 0), found on the host
     block_size: int
     # host-side copies of the per-sequence layout (no device reads during the step)
     seq_bounds: list[tuple[int, int]]  # (first row, one past last row) per sequence
@@ -63,7 +64,8 @@ def build_attention_metadata(row_seq: list[int], positions: list[int], write_slo
     host = [torch.tensor(positions, dtype=torch.long), torch.tensor(write_slots, dtype=torch.long),
             torch.tensor(loc, dtype=torch.int32), torch.tensor(context, dtype=torch.int32),
             torch.tensor(tables, dtype=torch.int32).reshape(len(bounds), width),
-            torch.tensor(key_slots, dtype=torch.long)]
+            torch.tensor(key_slots, dtype=torch.long),
+            torch.tensor([r for r, slot in enumerate(write_slots) if slot >= 0], dtype=torch.long)]
     dev = [t.to(device, non_blocking=True) for t in host]
     return AttentionMetadata(*dev, block_size=block_size, seq_bounds=bounds, seq_context=context,
                              seq_causal=causal, seq_all_last=all_last)

@@ -33,16 +33,26 @@ def backends(name: str) -> list[str]:
     return sorted(b for (n, b) in _IMPLEMENTATIONS if n == name)
 
 
+def all_backends() -> list[str]:
+    return sorted({b for (_, b) in _IMPLEMENTATIONS})
+
+
 class Kernels:
     """One engine's choice of implementation per operation (default: the torch references).
 
-    ``Kernels("torch")`` picks one backend for all; ``Kernels({"paged_attention": "triton"})``
-    overrides single operations.
+    ``Kernels("triton")`` takes that backend for every operation it implements and the
+    reference for the rest; ``Kernels({"paged_attention": "triton"})`` names single
+    operations. A backend no operation has is a clear error.
     """
 
     def __init__(self, backend: str | dict[str, str] = "torch"):
         choice = {name: "torch" for name in OPERATIONS}
-        choice.update({name: backend for name in OPERATIONS} if isinstance(backend, str) else backend)
+        if isinstance(backend, str):
+            if not any((name, backend) in _IMPLEMENTATIONS for name in OPERATIONS):
+                raise KvshareError(f"no kernel backend {backend!r} (available: {', '.join(all_backends())})")
+            choice.update({name: backend for name in OPERATIONS if (name, backend) in _IMPLEMENTATIONS})
+        else:
+            choice.update(backend)
         for name, chosen in choice.items():
             if (name, chosen) not in _IMPLEMENTATIONS:
                 raise KvshareError(f"no {chosen!r} implementation of kernel {name!r} "

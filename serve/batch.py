@@ -66,7 +66,6 @@ class Batch:
     attention: AttentionMetadata
     logit_rows: torch.Tensor  # rows whose next-token logits are wanted
     targets: list[tuple[int, int | None]]  # per logit row: (plan index, None = sample | p = score p + 1)
-    has_read_only: bool  # some row attends without writing KV
 
 
 def build_batch(plans: list[StepPlan], block_size: int, device: torch.device | str = "cpu") -> Batch:
@@ -102,5 +101,4 @@ def build_batch(plans: list[StepPlan], block_size: int, device: torch.device | s
                                     block_size, device)
     return Batch(torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True), slots,
                  lora_groups(slots, device), meta,
-                 torch.tensor(logit_rows, dtype=torch.long).to(device, non_blocking=True), targets,
-                 -1 in writes)
+                 torch.tensor(logit_rows, dtype=torch.long).to(device, non_blocking=True), targets)

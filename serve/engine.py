@@ -174,6 +174,8 @@ class LLMEngine:
         def finish(seq: Sequence) -> str | None:
             new_text = seq.detokenizer.update(seq.output)
             reason, cut = stop_reason(seq, self.tokenizer.eos_token_id, self.max_model_len, new_text)
+            if reason is not None:
+                seq.detokenizer.flush(seq.output)
             texts[seq.request_id] = seq.detokenizer.text[:cut]
             return reason
 

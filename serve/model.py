@@ -91,7 +91,6 @@ class Model:
         name)`` gives each adapter slot's (A, B, scale) for a projection, or None.
         """
         meta, groups = batch.attention, batch.lora_groups
-        all_write = not batch.has_read_only
         h = F.embedding(batch.tokens, self.embed)
         cos, sin = self.rotary(h, meta.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
@@ -115,7 +114,7 @@ class Model:
                 k = _rms_norm(k, L["k_norm"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, all_write)
+            kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, meta.write_rows)
             a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale).reshape(n, self.q_size)
             h = h + adapt(i, ("o_proj",), a, F.linear(a, L["o"]))[0]
             x = _rms_norm(h, L["post_norm"], self.eps)

@@ -2,7 +2,7 @@
 
 Text is detokenised incrementally (vLLM's prefix/read-offset scheme): each new token decodes
 only a short window, not the whole output, and a window ending in an incomplete UTF-8
-character waits for the next token. Stop strings are searched only in the new tail (plus
+character waits for the next token (or the end of the output). Stop strings are searched only in the new tail (plus
 the longest stop string's overlap), so a step costs the same at token 10 and token 10,000.
 """
 
@@ -53,6 +53,14 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset, len(ids) - _CONTEXT_TOKENS)
         self.read_offset = len(ids)
         return delta
+
+    def flush(self, ids: list[int]) -> None:
+        """The output is final: add what was held back (a character that never completed
+        decodes to U+FFFD, as in a whole decode)."""
+        if self.read_offset < len(ids):
+            prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(ids[self.prefix_offset:])[len(prefix):]
+            self.read_offset = len(ids)
 
 
 def stop_reason(seq: Sequence, eos_token_id: int | None, max_model_len: int,

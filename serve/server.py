@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import KvshareError
 from .async_engine import AsyncEngine, Overloaded
+from .config import EngineConfig
 from .engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
@@ -333,11 +334,9 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
 
 def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_model_len: int | None = None,
-          kv_cache_tokens: int | None = None, dtype: str = "float32") -> None:
+          api_key: str | None = None, config: EngineConfig | None = None) -> None:
     import uvicorn
 
-    engine = LLMEngine(model, adapters, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-                       dtype=dtype)
+    engine = LLMEngine(model, adapters, config)
     app = create_app(engine, api_key=api_key)
     uvicorn.run(app, host=host, port=port, log_level="info")

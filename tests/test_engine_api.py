@@ -121,7 +121,7 @@ def test_bad_requests(llm, prompt):
 
 def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models, tmp_path):
     """The benchmark's figures are printed, not asserted; its KV-bytes invariant is exact."""
-    from kvshare.serve.bench import run_engine_bench
+    from kvshare.eval.perf.engine import run_engine_bench
 
     results = run_engine_bench(model=str(tiny_models("llama")), new_tokens=8, out_dir=tmp_path, quick=True)
     kv = results["kv_bytes"]

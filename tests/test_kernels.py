@@ -85,3 +85,30 @@ def test_gathered_lora_equals_a_per_row_loop():
 def test_dispatch_refuses_unknown_backends():
     with pytest.raises(KvshareError, match="no 'triton-that-is-not-registered' implementation"):
         Kernels({"paged_attention": "triton-that-is-not-registered"})
+
+
+def test_each_engine_uses_its_own_kernels(tiny_models):
+    """Selection is per engine: two engines in one process, one on a registered backend."""
+    from kvshare.kernels import register
+    from kvshare.kernels.attention import paged_attention_ref
+    from kvshare.serve import LLM, SamplingParams
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return paged_attention_ref(*args, **kwargs)
+
+    register("paged_attention", "counting-test", counting)
+    base = tiny_models("llama")
+    counted = LLM(base, kv_cache_tokens=256, block_size=4, kernels="counting-test")
+    plain = LLM(base, kv_cache_tokens=256, block_size=4)
+    assert counted.engine.runner.kernels.choice == {"paged_attention": "counting-test", "write_kv": "torch",
+                                                    "gathered_lora": "torch"}
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = plain.generate([[5, 6, 7]], params)[0].token_ids
+    assert not calls
+    assert counted.generate([[5, 6, 7]], params)[0].token_ids == want
+    assert len(calls) == 3 * 2  # 3 steps x 2 layers
+    with pytest.raises(KvshareError, match="no kernel backend"):
+        LLM(base, kv_cache_tokens=256, kernels="nonexistent-backend")

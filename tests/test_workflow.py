@@ -83,7 +83,7 @@ def test_react_against_the_server(server, tokenizer):
 
 def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path):
     """Figures are printed, not asserted; what is asserted is what must hold regardless of speed."""
-    from kvshare.serve.bench_workflow import run_workflow_bench
+    from kvshare.eval.perf.workflow import run_workflow_bench
 
     results = run_workflow_bench(model=str(tiny_models("llama")), agents=(2,), qps=(50.0,),
                                  modes=("icarus", "alora", "lora", "hf"), workflows=2, turns=3,
@@ -97,7 +97,7 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
 
 
 def test_alora_benchmark_runs_and_alora_evaluators_reuse_the_base_kv(tiny_models, tmp_path):
-    from kvshare.serve.bench_alora import run_alora_bench
+    from kvshare.eval.perf.alora import run_alora_bench
 
     results = run_alora_bench(model=str(tiny_models("llama")), lengths=(64, 128), evaluators=2,
                               new_tokens=4, out_dir=tmp_path)

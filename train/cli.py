@@ -31,6 +31,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    return run(args)
+
+
+
+def _cmd_plot_loss(args: argparse.Namespace) -> int:
+    from .plot import plot_loss_curves
+
+    out = plot_loss_curves(args.runs, args.out, labels=args.label)
+    print(f"wrote {out}")
+    return 0
+
+
+
+
+def register(sub) -> None:
+    """Add ``kvshare train`` and ``kvshare plot-loss``."""
+    p = sub.add_parser("train", help="train an adapter from a recipe (in-process)",
+                       description="Train an ICaRus, aLoRA or LoRA adapter from a YAML recipe; the "
+                       "same code as `accelerate launch -m kvshare.train RECIPE.yaml`.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("plot-loss", help="overlay the loss curves of training runs",
+                       description="Plot loss against step for one or more run folders "
+                       "(their metrics.jsonl) on one chart, e.g. ICaRus vs LoRA on one task.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training output folders")
+    p.add_argument("--out", required=True, metavar="PNG", help="image to write")
+    p.add_argument("--label", action="append", help="legend label per run (default: run name)")
+    p.set_defaults(func=_cmd_plot_loss)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvshare.train",
                                      description="Train an ICaRus, aLoRA or LoRA adapter from a recipe.")

@@ -10,42 +10,22 @@ pipeline's time, as JSON and a markdown table. Adapters are random.
 
 from __future__ import annotations
 
-import json
 import tempfile
-import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from ..export import export_adapter
-from ..models import resolve_model_dir
-from ..testing import make_peft_adapter
-from .bench import TEXT
-from .engine import LLMEngine
-from .sampling import SamplingParams
+from ...random_adapters import random_adapter
+from ...serve.engine import LLMEngine
+from .common import filler_prompt, run_requests as _run, setup, write_report
 
 TARGETS = ("q_proj", "k_proj", "v_proj")
-
-
-def _run(engine: LLMEngine, requests: list[tuple[list[int], str | None]], max_tokens: int):
-    """Submit requests together, step to the end; return outputs in order and the wall time."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params, adapter=a) for p, a in requests]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids], time.perf_counter() - start
 
 
 def run_alora_bench(model: str = "smollm2-135m-instruct", lengths: tuple[int, ...] = (256, 1024, 2048, 4096, 7680),
                     evaluators: int = 5, new_tokens: int = 16, dtype: str = "float32", threads: int = 2,
                     out_dir: str | Path | None = None) -> dict:
-    torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(model)
+    model_dir = setup(model, threads)
     rows = []
     bar = tqdm(total=2 * len(lengths), desc="bench alora", unit="point")
     with tempfile.TemporaryDirectory(prefix="kvshare-alora-") as tmp:
@@ -55,17 +35,14 @@ def run_alora_bench(model: str = "smollm2-135m-instruct", lengths: tuple[int, ..
             tok = engine.tokenizer
             names, invocations = [], []
             for i in range(evaluators):
-                inv = tok.encode(f"<|im_start|>judge{i}<|im_end|>", add_special_tokens=False) if mode == "alora" else None
-                ckpt = make_peft_adapter(model_dir, Path(tmp) / f"{mode}-{i}-ckpt", target_modules=TARGETS,
-                                         rank=32, seed=i, invocation_tokens=inv)
-                path = export_adapter(ckpt, kind=mode, base=model_dir, out=Path(tmp) / f"{mode}-{i}",
-                                      invocation=f"<|im_start|>judge{i}<|im_end|>" if inv else None)
+                invocation = f"<|im_start|>judge{i}<|im_end|>"
+                path = random_adapter(mode, model_dir, tmp, f"{mode}-{i}", seed=i, rank=32, targets=TARGETS,
+                                      invocation=invocation, tokenizer=tok)
                 names.append(engine.load_adapter(path))
-                invocations.append(inv or [])
-            text_ids = tok.encode(TEXT, add_special_tokens=False)
+                invocations.append(tok.encode(invocation, add_special_tokens=False) if mode == "alora" else [])
             for length in lengths:
                 engine.reset_prefix_cache()  # also zeroes the hit and eviction counters
-                x = (text_ids * (length // len(text_ids) + 1))[:length]
+                x = filler_prompt(tok, length)
                 (answer,), t_answer = _run(engine, [(x, None)], new_tokens)
                 xy = x + answer.token_ids
                 (judge,), t_judge = _run(engine, [(xy + invocations[0], names[0])], new_tokens)
@@ -90,10 +67,7 @@ def run_alora_bench(model: str = "smollm2-135m-instruct", lengths: tuple[int, ..
                "evaluators": evaluators, "adapters": "random (rank 32, q/k/v); speed does not depend on values",
                "rows": rows}
     if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "alora_bench.json").write_text(json.dumps(results, indent=1))
-        (out / "alora_bench.md").write_text(markdown(results))
+        write_report(results, out_dir, "alora_bench", markdown)
     return results
 
 

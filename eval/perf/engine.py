@@ -9,7 +9,6 @@ compare the ratios, which come from one run.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -17,24 +16,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..export import export_adapter
-from ..models import resolve_model_dir
-from ..testing import ICARUS_TARGETS, make_peft_adapter
-from .engine import LLM
-from .sampling import SamplingParams
-
-TEXT = ("The history of the Roman empire spans many centuries, from the founding of the city to the "
-        "fall of Constantinople, and includes wars, reforms, emperors and the rise of Christianity. ")
-
-
-def _prompt(tokenizer, n_tokens: int) -> list[int]:
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+from ...random_adapters import random_adapter
+from ...serve.engine import LLM
+from ...serve.sampling import SamplingParams
+from .common import filler_prompt as _prompt, setup, write_report as _write
 
 
 def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
     """Decode tokens/s of transformers' greedy generate (prefill time subtracted)."""
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     def run(n):
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -74,9 +64,11 @@ def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: i
 
 def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
     with torch.no_grad():
-        hf(torch.tensor([prompt[:64]]))
+        hf(torch.tensor([prompt[:64]], device=hf.device))
         start = time.perf_counter()
-        hf(torch.tensor([prompt]))
+        hf(torch.tensor([prompt], device=hf.device))
+        if hf.device.type == "cuda":
+            torch.cuda.synchronize()  # the forward is asynchronous there
         hf_rate = len(prompt) / (time.perf_counter() - start)
     llm.engine.reset_prefix_cache()  # forget cached prefixes: measure compute
     start = time.perf_counter()
@@ -98,18 +90,19 @@ def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new:
 
 
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
-                     new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False) -> dict:
+                     new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
+                     device: str = "cpu", kernels: str = "torch") -> dict:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(model)
+    model_dir = setup(model, threads)
     # the baseline is transformers as users run it by default: float32 (BRIEF.md's 11.8 tok/s)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     lengths = (128, 256) if quick else (1024, 4096)
     llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
-              max_num_batched_tokens=max(lengths), dtype=dtype)
+              max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=kernels)
     tokenizer = llm.engine.tokenizer
-    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens}
+    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens,
+                     "device": device, "kernels": kernels}
     steps = tqdm(total=6, desc="bench engine", unit="figure")
 
     short = _prompt(tokenizer, 32)
@@ -129,11 +122,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
         agents = []
         for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
-            targets = ICARUS_TARGETS if kind == "icarus" else ICARUS_TARGETS + ("k_proj", "v_proj")
-            ckpt = make_peft_adapter(model_dir, Path(tmp) / f"ckpt-{i}", target_modules=targets,
-                                     rank=8, seed=i)
-            agents.append(llm.engine.load_adapter(export_adapter(ckpt, kind=kind, base=model_dir,
-                                                                 out=Path(tmp) / f"{kind}-{i}")))
+            agents.append(llm.engine.load_adapter(random_adapter(kind, model_dir, tmp, f"{kind}-{i}", seed=i)))
         icarus, lora = agents[:8], agents[8:]
         base_step = _engine_step_time(llm, short, None)
         pair_step = _engine_step_time(llm, short, icarus[0])
@@ -178,6 +167,4 @@ def markdown(results: dict) -> str:
 
 
 def write_report(results: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "engine_bench.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "engine_bench.md").write_text(markdown(results))
+    _write(results, out_dir, "engine_bench", markdown)

@@ -25,16 +25,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..export import export_adapter
-from ..models import resolve_model_dir
-from ..splits import require_data_dir
-from ..testing import ICARUS_TARGETS, make_peft_adapter
-from .async_engine import AsyncEngine
-from .engine import LLMEngine
-from .workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
-
-KIND_TARGETS = {"icarus": ICARUS_TARGETS, "alora": ("q_proj", "k_proj", "v_proj"),
-                "lora": ICARUS_TARGETS + ("k_proj", "v_proj"), "hf": ICARUS_TARGETS + ("k_proj", "v_proj")}
+from ...random_adapters import random_adapter
+from ...splits import require_data_dir
+from ...serve.async_engine import AsyncEngine
+from ...serve.engine import LLMEngine
+from ...serve.workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
+from .common import setup, write_report as _write
 
 
 def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int]]:
@@ -55,14 +51,10 @@ def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int
 def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> tuple[list[Agent], list[Path]]:
     agents, paths = [], []
     for i in range(n):
-        invocation = None
-        if kind == "alora":
-            invocation = tokenizer.encode(f"<|im_start|>agent{i}<|im_end|>", add_special_tokens=False)
-        ckpt = make_peft_adapter(model_dir, folder / f"{kind}-{i}-ckpt", target_modules=KIND_TARGETS[kind],
-                                 rank=8, seed=i, invocation_tokens=invocation)
-        path = export_adapter(ckpt, kind="lora" if kind == "hf" else kind, base=model_dir,
-                              out=folder / f"{kind}-{i}", name=f"{kind}-{i}",
-                              invocation=f"<|im_start|>agent{i}<|im_end|>" if invocation else None)
+        text = f"<|im_start|>agent{i}<|im_end|>"
+        invocation = tokenizer.encode(text, add_special_tokens=False) if kind == "alora" else None
+        path = random_adapter("lora" if kind == "hf" else kind, model_dir, folder, f"{kind}-{i}", seed=i,
+                              invocation=text, tokenizer=tokenizer)
         agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
         paths.append(path)
     return agents, paths
@@ -139,8 +131,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None) -> dict:
-    torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(model)
+    model_dir = setup(model, threads)
     kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
     points = []
     tool = SimulatedTool(tool_delay, observation_tokens)
@@ -211,9 +202,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "workflow_bench.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "workflow_bench.md").write_text(markdown(results))
+    _write(results, out_dir, "workflow_bench", markdown)
     for metric, label, name in (("p95_latency_s", "P95 call latency (s)", "p95_vs_qps.png"),
                                 ("tokens_per_s", "throughput (generated tokens/s)", "throughput_vs_qps.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))

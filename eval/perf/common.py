@@ -1,0 +1,52 @@
+"""What the benchmarks share: filler prompts, thread and model setup, running requests to
+the end through the engine facade, and writing JSON + markdown reports."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...models import resolve_model_dir
+from ...serve.engine import LLMEngine, RequestOutput
+from ...serve.sampling import SamplingParams
+
+TEXT = ("The history of the Roman empire spans many centuries, from the founding of the city to the "
+        "fall of Constantinople, and includes wars, reforms, emperors and the rise of Christianity. ")
+
+
+def filler_prompt(tokenizer, n_tokens: int) -> list[int]:
+    """``n_tokens`` token ids of plain prose (TEXT repeated)."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
+
+
+def setup(model: str, threads: int) -> Path:
+    """Pin torch's CPU threads (figures are per thread count) and resolve the model folder."""
+    torch.set_num_threads(threads)
+    return resolve_model_dir(model)
+
+
+def run_requests(engine: LLMEngine, requests: list[tuple[list[int], str | None]],
+                 max_tokens: int) -> tuple[list[RequestOutput], float]:
+    """Submit requests together, step to the end; return outputs in order and the wall time."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params, adapter=a) for p, a in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start
+
+
+def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callable[[dict], str]) -> None:
+    """``out_dir/stem.json`` (the figures) and ``out_dir/stem.md`` (the table people read)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results))
