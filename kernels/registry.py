@@ -11,15 +11,20 @@ from typing import Callable
 
 from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
 from .attention import paged_attention_ref, write_kv_ref
+from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
 
-OPERATIONS = ("paged_attention", "write_kv", "gathered_lora")
+OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear")
 
+# "linear" implementations are objects with prepare(weight) (once, at load) and apply(x, w, b)
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("paged_attention", "torch"): paged_attention_ref,
     ("write_kv", "torch"): write_kv_ref,
     ("gathered_lora", "torch"): gathered_lora_ref,
+    ("linear", "torch"): TorchLinear,
 }
+if OneDNNLinear.available():
+    _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
 
 
 def register(name: str, backend: str, fn: Callable) -> None:
@@ -61,3 +66,4 @@ class Kernels:
         self.paged_attention = _IMPLEMENTATIONS[("paged_attention", choice["paged_attention"])]
         self.write_kv = _IMPLEMENTATIONS[("write_kv", choice["write_kv"])]
         self.gathered_lora = _IMPLEMENTATIONS[("gathered_lora", choice["gathered_lora"])]
+        self.linear = _IMPLEMENTATIONS[("linear", choice["linear"])]

@@ -120,9 +120,36 @@ class AdapterSet:
     def get(self, name: str) -> LoadedAdapter:
         return self.slots[self.get_slot(name)]
 
-    def lookup(self, layer: int, projection: str) -> list:
-        """Per slot: (A, B, scale) for this projection, or None; cached until slots change."""
-        key = (layer, projection)
+    def lookup(self, layer: int, parts: tuple[tuple[str, int], ...]) -> list:
+        """Per slot: (A, B, scale) for a fused projection, or None; cached until slots change.
+
+        ``parts`` names the projections fused in one matmul and their output sizes, e.g.
+        q/k/v. Their A matrices (same input) are stacked and their B matrices placed on a
+        block diagonal (zeros where a projection is not adapted), so one adapter costs two
+        small matmuls per fused projection instead of two per projection; the zeros add
+        exact zeros, so the result is PEFT's per-projection ``B(A x) * scale``.
+        """
+        key = (layer, parts)
         if key not in self._lookup:
-            self._lookup[key] = [s.weights.get(key) if s is not None else None for s in self.slots]
+            self._lookup[key] = [_fuse(s, layer, parts) if s is not None else None for s in self.slots]
         return self._lookup[key]
+
+
+def _fuse(adapter: LoadedAdapter, layer: int, parts: tuple[tuple[str, int], ...]):
+    found = [(adapter.weights.get((layer, name)), out) for name, out in parts]
+    present = [w for w, _ in found if w is not None]
+    if not present:
+        return None
+    scales = {scale for _, _, scale in present}
+    if len(scales) > 1:  # one alpha/rank per adapter in every supported config
+        raise KvshareError(f"adapter {adapter.name!r} has several LoRA scales in layer {layer}")
+    a_cat = torch.cat([a for a, _, _ in present])
+    b_fused = a_cat.new_zeros(sum(out for _, out in found), a_cat.shape[0])
+    row, col = 0, 0
+    for weights, out in found:
+        if weights is not None:
+            a, b, _ = weights
+            b_fused[row:row + out, col:col + a.shape[0]] = b
+            col += a.shape[0]
+        row += out
+    return a_cat, b_fused, scales.pop()

@@ -37,7 +37,7 @@ class Model:
     """Weights of a Llama-family base, loaded from safetensors, and its forward pass."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", kernels: Kernels | None = None):
         from transformers import AutoConfig
 
         self.config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -57,7 +57,10 @@ class Model:
         w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
         self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.kernels = kernels = kernels or Kernels()
+        prepare = kernels.linear.prepare  # e.g. packed once for oneDNN
+        lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = prepare(lm_head)
         self.final_norm = w["model.norm.weight"]
         self.rotary = rotary_for(c.model_type, c).to(device)
         # q/k/v and gate/up are fused into one matmul each (one read of x, fewer calls);
@@ -69,43 +72,47 @@ class Model:
             self.layers.append({
                 "input_norm": w[f"model.layers.{i}.input_layernorm.weight"],
                 "post_norm": w[f"model.layers.{i}.post_attention_layernorm.weight"],
-                "qkv": torch.cat([w[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")]),
+                "qkv": prepare(torch.cat([w[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])),
                 "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,
-                "o": w[f"{a}o_proj.weight"],
-                "gate_up": torch.cat([w[f"{m}gate_proj.weight"], w[f"{m}up_proj.weight"]]),
-                "down": w[f"{m}down_proj.weight"],
+                "o": prepare(w[f"{a}o_proj.weight"]),
+                "gate_up": prepare(torch.cat([w[f"{m}gate_proj.weight"], w[f"{m}up_proj.weight"]])),
+                "down": prepare(w[f"{m}down_proj.weight"]),
                 "q_norm": w.get(f"{a}q_norm.weight"),
                 "k_norm": w.get(f"{a}k_norm.weight"),
             })
         self.q_size, self.kv_size = self.n_q * self.head_dim, self.n_kv * self.head_dim
-        self.inter = self.layers[0]["down"].shape[1]
-        self.split_sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
-                            "gate_proj": self.inter, "up_proj": self.inter}
+        self.inter = w["model.layers.0.mlp.down_proj.weight"].shape[1]
+        hidden = c.hidden_size
+        # the fused matmuls and the projections (with output sizes) each one holds
+        self.fused = {"qkv": (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
+                      "o": (("o_proj", hidden),), "gate_up": (("gate_proj", self.inter), ("up_proj", self.inter)),
+                      "down": (("down_proj", hidden),)}
 
     @torch.no_grad()
-    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora, kernels: Kernels) -> torch.Tensor:
+    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora) -> torch.Tensor:
         """Run the batch's rows through the model, writing KV where asked; return float32
         logits of its logit rows.
 
         ``kv_cache`` is (2, layers, blocks, block_size, kv_heads, head_dim); ``lora(layer,
-        name)`` gives each adapter slot's (A, B, scale) for a projection, or None.
+        parts)`` gives each adapter slot's (A, B, scale) for a fused projection, or None.
         """
-        meta, groups = batch.attention, batch.lora_groups
+        meta, groups, kernels = batch.attention, batch.lora_groups, self.kernels
+        linear = kernels.linear.apply
         h = F.embedding(batch.tokens, self.embed)
         cos, sin = self.rotary(h, meta.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
         n = h.shape[0]
 
-        def adapt(i: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-            """Split a fused output into its projections and add each one's LoRA delta."""
-            parts = list(torch.split(y, [self.split_sizes.get(name, y.shape[-1]) for name in names], dim=-1))
+        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+            """Add each row's LoRA delta to a fused output, then split it into its projections."""
+            parts = self.fused[fused]
             if groups:
-                parts = [kernels.gathered_lora(x, part, groups, lora(i, name)) for part, name in zip(parts, names)]
-            return parts
+                y = kernels.gathered_lora(x, y, groups, lora(i, parts))
+            return list(torch.split(y, [out for _, out in parts], dim=-1)) if len(parts) > 1 else [y]
 
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L["input_norm"], self.eps)
-            q, k, v = adapt(i, ("q_proj", "k_proj", "v_proj"), x, F.linear(x, L["qkv"], L["qkv_bias"]))
+            q, k, v = adapt(i, "qkv", x, linear(x, L["qkv"], L["qkv_bias"]))
             q = q.reshape(n, self.n_q, self.head_dim)
             k = k.reshape(n, self.n_kv, self.head_dim)
             v = v.reshape(n, self.n_kv, self.head_dim)
@@ -116,10 +123,10 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, meta.write_rows)
             a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale).reshape(n, self.q_size)
-            h = h + adapt(i, ("o_proj",), a, F.linear(a, L["o"]))[0]
+            h = h + adapt(i, "o", a, linear(a, L["o"]))[0]
             x = _rms_norm(h, L["post_norm"], self.eps)
-            gate, up = adapt(i, ("gate_proj", "up_proj"), x, F.linear(x, L["gate_up"]))
+            gate, up = adapt(i, "gate_up", x, linear(x, L["gate_up"]))
             act = F.silu(gate) * up
-            h = h + adapt(i, ("down_proj",), act, F.linear(act, L["down"]))[0]
+            h = h + adapt(i, "down", act, linear(act, L["down"]))[0]
         h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()

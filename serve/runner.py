@@ -35,7 +35,7 @@ class ModelRunner:
                  kernels: Kernels):
         self.device = device
         self.dtype = dtype
-        self.model = Model(model_dir, dtype, device)
+        self.model = Model(model_dir, dtype, device, kernels)
         self.kernels = kernels
         self.block_size = block_size
         m = self.model
@@ -55,7 +55,7 @@ class ModelRunner:
         """Run one step: (the batch, sampled token per sampling row in target order,
         logprob records keyed by logit row for rows that want them)."""
         batch = build_batch(plans, self.block_size, self.device)
-        logits = self.model.forward(batch, self.kv_cache, lora, self.kernels)
+        logits = self.model.forward(batch, self.kv_cache, lora)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)

@@ -104,7 +104,7 @@ def test_each_engine_uses_its_own_kernels(tiny_models):
     counted = LLM(base, kv_cache_tokens=256, block_size=4, kernels="counting-test")
     plain = LLM(base, kv_cache_tokens=256, block_size=4)
     assert counted.engine.runner.kernels.choice == {"paged_attention": "counting-test", "write_kv": "torch",
-                                                    "gathered_lora": "torch"}
+                                                    "gathered_lora": "torch", "linear": "torch"}
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     want = plain.generate([[5, 6, 7]], params)[0].token_ids
     assert not calls
@@ -112,3 +112,24 @@ def test_each_engine_uses_its_own_kernels(tiny_models):
     assert len(calls) == 3 * 2  # 3 steps x 2 layers
     with pytest.raises(KvshareError, match="no kernel backend"):
         LLM(base, kv_cache_tokens=256, kernels="nonexistent-backend")
+
+
+@pytest.mark.skipif("onednn" not in __import__("kvshare.kernels", fromlist=["backends"]).backends("linear"),
+                    reason="this torch build has no oneDNN packed linear")
+def test_onednn_linear_equals_the_reference(tiny_models):
+    from kvshare.kernels.linear import OneDNNLinear, TorchLinear
+    from kvshare.serve import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    packed = OneDNNLinear.prepare(w)
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, 40, generator=gen)
+        torch.testing.assert_close(OneDNNLinear.apply(x, packed, b), TorchLinear.apply(x, w, b), atol=1e-4, rtol=1e-4)
+    # a whole engine on it: the same prompt logprobs as the reference engine, within float32 noise
+    base = tiny_models("llama")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    ref = LLM(base, kv_cache_tokens=256, block_size=4).generate(prompt, params)[0].prompt_logprobs[1:]
+    fast = LLM(base, kv_cache_tokens=256, block_size=4, kernels="onednn").generate(prompt, params)[0].prompt_logprobs[1:]
+    assert [r["logprob"] for r in fast] == pytest.approx([r["logprob"] for r in ref], abs=1e-4)
