@@ -47,32 +47,26 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, m.n_layers, self.num_blocks, block_size, m.n_kv, m.head_dim,
                                     dtype=dtype, device=device)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.embed.shape[0]
-
     def run(self, plans: list[StepPlan], lora) -> tuple[Batch, list[int], dict[int, dict]]:
-        """Run one step: (the batch, sampled token per sampling row in target order,
-        logprob records keyed by logit row for rows that want them)."""
+        """Run one step: (the batch, the sampled token of each sampling row in target order,
+        logprob records by logit row for the rows that want them)."""
         batch = build_batch(plans, self.block_size, self.device)
         logits = self.model.forward(batch, self.kv_cache, lora)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
-        sample_logits = logits.index_select(0, index)
-        tokens = sample_batch(sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
-        records: dict[int, dict] = {}
-        # rows whose logprobs are wanted: sampled rows with params.logprobs, every scoring row
-        wanted, chosen, ks = [], [], []
-        for row, seq, token in zip(sample_rows, seqs, tokens):
-            if seq.params.logprobs is not None:
-                wanted.append(row), chosen.append(token), ks.append(seq.params.logprobs)
+        tokens = sample_batch(logits.index_select(0, index), [s.params for s in seqs], [s.generator for s in seqs])
+        # (logit row, token whose logprob is reported, how many alternatives): sampled rows that
+        # asked for logprobs, and every prompt-scoring row
+        wanted = [(row, token, seq.params.logprobs) for row, seq, token in zip(sample_rows, seqs, tokens)
+                  if seq.params.logprobs is not None]
         for row, (i, pos) in enumerate(batch.targets):
             if pos is not None:
                 seq = plans[i].seq
-                wanted.append(row), chosen.append(seq.prompt[pos + 1]), ks.append(seq.params.prompt_logprobs)
+                wanted.append((row, seq.prompt[pos + 1], seq.params.prompt_logprobs))
+        records: dict[int, dict] = {}
         if wanted:
-            rows = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-            for row, record in zip(wanted, logprobs_batch(logits.index_select(0, rows), chosen, ks)):
-                records[row] = record
+            rows, chosen, ks = (list(column) for column in zip(*wanted))
+            picked = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+            records = dict(zip(rows, logprobs_batch(picked, chosen, ks)))
         return batch, tokens, records

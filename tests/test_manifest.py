@@ -98,3 +98,14 @@ def test_malformed_json_is_a_clear_error(tmp_path):
     (tmp_path / "kvshare.json").write_text('{"kind": ')
     with pytest.raises(KvshareError, match="malformed JSON"):
         manifest.read(tmp_path)
+
+
+def test_read_compares_the_sharing_scope_not_its_prose(tmp_path):
+    """A manifest written by a version whose description was worded differently still reads;
+    one whose scope contradicts its kind does not."""
+    data = make("icarus")
+    manifest.write(data, tmp_path)
+    stored = json.loads((tmp_path / "kvshare.json").read_text())
+    stored["kv_sharing"]["description"] = "Reworded by an older kvshare."
+    (tmp_path / "kvshare.json").write_text(json.dumps(stored))
+    assert manifest.read(tmp_path)["kv_sharing"]["scope"] == "all"
