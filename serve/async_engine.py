@@ -40,31 +40,50 @@ class AsyncEngine:
     # engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
             try:
-                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+                self._cycle()
+            except Exception:  # the thread must outlive any bug: log it and keep serving
+                logger.exception("engine thread: unexpected failure; continuing")
+        for request_id in list(self._streams):  # shutdown: nobody waits forever
+            self._deliver(request_id, RuntimeError("the server is shutting down"))
+        self._streams.clear()
+
+    def alive(self) -> bool:
+        """Whether the engine thread is running (``/health`` answers 503 when it is not)."""
+        return self._thread.is_alive()
+
+    def _cycle(self) -> None:
+        """Take the queued commands, then run one engine step if there is work."""
+        idle = not self.engine.has_unfinished()
+        try:
+            command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+        except queue.Empty:
+            command = None
+        while command is not None:
+            try:
+                self._apply(command)
+            except Exception as err:  # a failed add fails that request only
+                logger.exception("engine thread: command failed")
+                self._deliver(command[1], RuntimeError(f"engine failure: {err}"))
+                self._streams.pop(command[1], None)
+            try:
+                command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-            while command is not None:
-                self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as err:  # a bug, not a user error: fail the batch, keep serving
-                    logger.exception("engine step failed; aborting the requests in flight")
-                    for request_id in list(self._streams):
-                        self.engine.abort(request_id)
-                        self._deliver(request_id, RuntimeError(f"engine failure: {err}"))
-                    self._streams.clear()
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+        if self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # a bug, not a user error: fail the batch, keep serving
+                logger.exception("engine step failed; aborting the requests in flight")
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine failure: {err}"))
+                self._streams.clear()
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
 
     def _apply(self, command: tuple) -> None:
         kind, request_id, *rest = command
@@ -84,12 +103,17 @@ class AsyncEngine:
         target = self._streams.get(request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the client's event loop is gone: nobody to tell
+                self._streams.pop(request_id, None)
 
     # asyncio side ----------------------------------------------------------------------------
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
                        hints: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
+        if not self.alive():
+            raise RuntimeError("the engine thread is not running")
         if self.engine.num_waiting() + self._commands.qsize() >= self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"

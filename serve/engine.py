@@ -109,6 +109,10 @@ class LLMEngine:
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise KvshareError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KvshareError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
         if len(tokens) + params.max_tokens > self.max_model_len:
             raise KvshareError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")

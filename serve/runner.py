@@ -47,6 +47,10 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, m.n_layers, self.num_blocks, block_size, m.n_kv, m.head_dim,
                                     dtype=dtype, device=device)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.embed.shape[0]
+
     def run(self, plans: list[StepPlan], lora) -> tuple[Batch, list[int], dict[int, dict]]:
         """Run one step: (the batch, the sampled token of each sampling row in target order,
         logprob records by logit row for the rows that want them)."""

@@ -37,7 +37,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
     """Next token of every row of float32 ``logits`` (rows, vocab)."""
     tokens = torch.argmax(logits, dim=-1)
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-import torch
-
 from ..errors import KvshareError
+
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -27,10 +29,12 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise KvshareError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise KvshareError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise KvshareError("temperature must be a finite number >= 0")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise KvshareError("top_p must be in (0, 1]")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 63:
+            raise KvshareError("seed must be a 64-bit signed integer")
         if self.top_k < 0:
             raise KvshareError("top_k must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):
@@ -38,3 +42,9 @@ class SamplingParams:
                 raise KvshareError(f"{name} must be >= 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below 1e-5 sample greedily (vLLM's rule): dividing logits by them
+        overflows to inf and the softmax to NaN."""
+        return self.temperature < GREEDY_BELOW

@@ -132,6 +132,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         runner.shutdown()
 
     app = FastAPI(title="kvshare", version="1", lifespan=lifespan)
+    app.state.runner = runner  # the engine thread, for health checks and tests
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError):
@@ -255,6 +256,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     @app.get("/health")
     async def health():
+        if not runner.alive():  # the engine is gone: a load balancer must stop sending here
+            return _error(503, "the engine thread is not running", kind="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -141,3 +141,19 @@ def test_capacity_in_tokens_or_bytes(base):
     small = LLM(base, kv_cache_tokens=256, block_size=16).engine
     with pytest.raises(KvshareError, match="KV blocks"):  # could never fit, even alone
         small.add_request(list(range(5, 400)), SamplingParams(max_tokens=100))
+
+
+def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
+    engine = LLM(base, kv_cache_tokens=256, block_size=16).engine
+    for kwargs in ({"seed": 2 ** 64}, {"temperature": float("nan")}, {"temperature": float("inf")},
+                   {"top_p": float("nan")}):
+        with pytest.raises(KvshareError):
+            SamplingParams(**kwargs)
+    for prompt in ([5, 10 ** 6], [5, -1], [5, 2 ** 63]):
+        with pytest.raises(KvshareError, match="outside the vocabulary"):
+            engine.add_request(prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+    tiny = SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True)  # greedy, not NaN
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm = LLM(base, kv_cache_tokens=256, block_size=16)
+    assert llm.generate([[5, 6, 7]], tiny)[0].token_ids == llm.generate([[5, 6, 7]], greedy)[0].token_ids

@@ -223,3 +223,16 @@ def test_completion_prompt_shapes_that_cannot_stream_are_400(server):
         r = httpx.post(server["url"] + "/v1/completions", headers=headers,
                        json={"model": "tiny-base", "max_tokens": 2, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_health_is_503_when_the_engine_thread_is_gone(base):
+    from fastapi.testclient import TestClient
+
+    engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
+    with TestClient(create_app(engine)) as client:
+        assert client.get("/health").status_code == 200
+        client.app.state.runner.shutdown()  # the thread ends, as if it had died
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        r = client.post("/v1/completions", json={"model": str(base), "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500

@@ -86,10 +86,19 @@ def str_base(url: str) -> str:
     ({"prompt": "word " * 400, "max_tokens": 2}, 400),  # prompt over the limit
     ({"prompt": "hi", "max_tokens": 2, "frequency_penalty": 1.5}, 400),  # unsupported option
     ({"model": "nobody", "prompt": "hi", "max_tokens": 2}, 404),
+    # each of these used to kill the engine thread or fail every request in flight
+    ({"prompt": "hi", "max_tokens": 2, "seed": 2 ** 64}, 400),
+    ({"prompt": "hi", "max_tokens": 2, "seed": -(2 ** 63) - 1}, 400),
+    ({"prompt": [5, 6, 10 ** 6], "max_tokens": 2}, 400),  # token id beyond the vocabulary
+    ({"prompt": [5, -1], "max_tokens": 2}, 400),
+    ({"prompt": [5, 2 ** 63], "max_tokens": 2}, 400),
+    ('{"model": "M", "prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400),
 ])
 def test_bad_requests_are_4xx_and_the_server_keeps_serving(server_url, body, status):
     if isinstance(body, dict):
         body = json.dumps({"model": str_base(server_url), **body})
+    else:
+        body = body.replace('"M"', json.dumps(str_base(server_url)))
     r = httpx.post(server_url + "/v1/completions", content=body, timeout=30,
                    headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == status and "error" in r.json()
@@ -107,3 +116,28 @@ def test_abrupt_disconnects_free_their_blocks(server_url):
                 if n >= 3:
                     break
     wait_idle(server_url)
+
+
+def test_a_bad_request_does_not_hurt_innocent_requests_in_flight(server_url):
+    """Innocent streams run while hostile requests arrive; all innocent ones complete normally."""
+    async def innocent(client, i):
+        body = {"model": "icarus-a", "prompt": f"Item {i} is", "max_tokens": 12, "temperature": 0,
+                "stream": True}
+        async with client.stream("POST", server_url + "/v1/completions", json=body, headers=AUTH) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return r.status_code == 200 and lines[-1] == "data: [DONE]"
+
+    async def hostile(client, body):
+        await asyncio.sleep(0.05)
+        r = await client.post(server_url + "/v1/completions", json={"model": "icarus-a", **body}, headers=AUTH)
+        return r.status_code
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            bad = [{"prompt": "x", "max_tokens": 2, "seed": 2 ** 64}, {"prompt": [1, 10 ** 9], "max_tokens": 2},
+                   {"prompt": "x", "max_tokens": 3, "temperature": 1e-300}]
+            return await asyncio.gather(*(innocent(client, i) for i in range(6)), *(hostile(client, b) for b in bad))
+
+    results = asyncio.run(main())
+    assert all(results[:6]) and results[6:] == [400, 400, 200]  # a tiny temperature samples greedily
+    assert httpx.get(server_url + "/health", timeout=10).status_code == 200
