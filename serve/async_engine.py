@@ -26,12 +26,37 @@ class Overloaded(Exception):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 
 
+class _Mailbox:
+    """One request's outputs on the asyncio side, holding only the newest undelivered one.
+
+    A ``RequestOutput`` is cumulative (all tokens and text so far), so a reader that falls
+    behind needs only the latest: a slow or stalled streaming client costs O(output) memory,
+    not a copy of the output per token (an unbounded queue grew quadratically).
+    """
+
+    def __init__(self):
+        self._item = None
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:  # runs on the event loop (call_soon_threadsafe)
+        if isinstance(self._item, Exception):
+            return  # an error is final
+        self._item = item
+        self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256):
         self.engine = engine
         self.max_waiting = max_waiting
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
@@ -104,7 +129,7 @@ class AsyncEngine:
         if target is not None:
             loop, stream = target
             try:
-                loop.call_soon_threadsafe(stream.put_nowait, item)
+                loop.call_soon_threadsafe(stream.put, item)
             except RuntimeError:  # the client's event loop is gone: nobody to tell
                 self._streams.pop(request_id, None)
 
@@ -117,7 +142,7 @@ class AsyncEngine:
         if self.engine.num_waiting() + self._commands.qsize() >= self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _Mailbox()
         self._commands.put(("add", request_id, prompt, params, adapter, hints, asyncio.get_running_loop(), stream))
         finished = False
         try:
