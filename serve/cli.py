@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from ..errors import KvshareError
 from .config import add_engine_arguments, engine_config_from_args
@@ -13,7 +15,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
-    serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=args.api_key,
+    api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or None  # env: not visible in ps
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvshare: warning: serving on {args.host} without an API key: anyone who can reach "
+              "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
+    serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
           config=engine_config_from_args(args))
     return 0
 
@@ -28,7 +34,8 @@ def register(sub) -> None:
     p.add_argument("--adapter", action="append", metavar="DIR", help="exported adapter folder (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set KVSHARE_API_KEY, "
+                   "which other users cannot read from the process list)")
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

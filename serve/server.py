@@ -16,6 +16,7 @@ adapter's own sharing semantics (the engine's ``prompt_logprobs``), which is how
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -116,6 +117,25 @@ class _EngineCollector:
             yield gauge
 
 
+class _ApiKeyGuard:
+    """Require ``Authorization: Bearer KEY`` on /v1/*, compared in constant time.
+
+    A pure ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) hides the
+    client's disconnect from handlers, so a non-streaming request could never be cancelled.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _error(401, "invalid API key", kind="authentication_error")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | None = None,
                max_waiting: int = 256) -> FastAPI:
     runner = AsyncEngine(engine, max_waiting=max_waiting)
@@ -144,12 +164,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         return _error(400, f"{where}: {first['msg']}", param=where or None)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(401, "invalid API key", kind="authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyGuard, api_key=api_key)
 
     def resolve(model: str) -> str | None:
         if model == base_name:
@@ -193,6 +209,18 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         except RuntimeError as err:
             raise ApiError(500, str(err), kind="server_error") from None
         return first, stream
+
+    async def unless_gone(request: Request, work):
+        """Await ``work``; if the client disconnects first, cancel it (which aborts its
+        requests and frees their blocks) instead of generating for nobody."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "the client closed the request")
 
     async def collect(first: RequestOutput, stream) -> RequestOutput:
         last = first
@@ -275,7 +303,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         adapter = resolve(req.model)
         prompts = prompts_of(req)
         for prompt in prompts:
@@ -286,7 +314,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         if not req.stream:
             # gathered, so every prompt is queued before any finishes and they share batches
             started = await asyncio.gather(*(run(prompt, params, adapter, req) for prompt in prompts))
-            outs = await asyncio.gather(*(collect(first, stream) for first, stream in started))
+            outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
             choices = [{"index": i, "finish_reason": out.finish_reason,
                         "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
                         "logprobs": None if req.logprobs is None else logprob_block(out, req.echo)}
@@ -305,7 +333,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         return stream_events(first, stream, chunk)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         adapter = resolve(req.model)
         prompt = engine.chat_prompt([m.model_dump() for m in req.messages], adapter)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
@@ -321,7 +349,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
         if req.stream:
             return stream_events(first, stream, chunk)
-        out = await collect(first, stream)
+        out = await unless_gone(request, collect(first, stream))
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
                                   "finish_reason": out.finish_reason}
         if req.logprobs:

@@ -236,3 +236,12 @@ def test_health_is_503_when_the_engine_thread_is_gone(base):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         r = client.post("/v1/completions", json={"model": str(base), "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 500
+
+
+def test_serving_beyond_loopback_without_a_key_warns(cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSHARE_API_KEY", raising=False)
+    missing = tmp_path / "no-such-model"  # fails right after the warning: no server starts
+    result = cli("serve", "--model", missing, "--host", "0.0.0.0")
+    assert result.code == 1 and "warning: serving on 0.0.0.0 without an API key" in result.err
+    monkeypatch.setenv("KVSHARE_API_KEY", "k")
+    assert "warning" not in cli("serve", "--model", missing, "--host", "0.0.0.0").err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,10 +23,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server_url(base, adapters):
     port = free_port()
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # the key comes from the environment, as the README recommends
         [sys.executable, "-m", "kvshare", "serve", "--model", str(base), "--adapter", str(adapters["icarus-a"]),
-         "--port", str(port), "--api-key", KEY, "--kv-cache-tokens", "4096", "--max-model-len", "256"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--port", str(port), "--kv-cache-tokens", "4096", "--max-model-len", "256"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "KVSHARE_API_KEY": KEY})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while True:
@@ -141,3 +142,24 @@ def test_a_bad_request_does_not_hurt_innocent_requests_in_flight(server_url):
     results = asyncio.run(main())
     assert all(results[:6]) and results[6:] == [400, 400, 200]  # a tiny temperature samples greedily
     assert httpx.get(server_url + "/health", timeout=10).status_code == 200
+
+
+def test_a_disconnected_non_streaming_request_is_aborted(server_url):
+    before = gauge(server_url, "aborted")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 240 tokens are made
+        httpx.post(server_url + "/v1/completions", headers=AUTH, timeout=0.1,
+                   json={"model": "icarus-a", "prompt": "A long story:", "max_tokens": 240,
+                         "temperature": 0, "stream": False})
+    deadline = time.time() + 30
+    while gauge(server_url, "aborted") <= before:
+        assert time.time() < deadline, "the request kept running after its client left"
+        time.sleep(0.05)
+    wait_idle(server_url)
+
+
+def test_the_key_is_required(server_url):
+    body = {"model": "icarus-a", "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"}):
+        r = httpx.post(server_url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(server_url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
