@@ -1,8 +1,9 @@
 """The ``kvshare`` command line: one entry point, a subcommand per job.
 
 User mistakes (KvshareError, unreadable files) print one line on stderr and exit 1;
-argparse usage errors exit 2. Each subsystem registers its own subcommands (``register(sub)`` in its ``cli`` module);
-this module owns ``main``, the core commands and the error mapping.
+argparse usage errors exit 2. Each subsystem registers its own subcommands
+(``register(sub)`` in its ``cli`` module); this module owns ``main``, the core commands and
+the error mapping.
 """
 
 from __future__ import annotations

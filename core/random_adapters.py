@@ -27,11 +27,7 @@ def make_peft_adapter(
     task_type: str | None = "CAUSAL_LM",
     seed: int = 0,
 ) -> Path:
-    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B.
-
-    PEFT initialises B to zero (an adapter equal to the base); tests of sharing need
-    adapters that really change the output, so both factors are randomised here.
-    """
+    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

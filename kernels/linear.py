@@ -1,7 +1,8 @@
 """Dense projections (``x W^T + b``): the torch reference and oneDNN's packed CPU path.
 
 On CPU, ``F.linear`` is fast for one row (a matrix-vector product) but about twice as slow
-for 2-16 rows (measured on a 2-core AVX2 EPYC: 3072x576 fp32, 1 row 182 us, 2 rows 390 us),
+for 2-16 rows (timed once with a loop of 200 calls on a 2-core AVX2 EPYC: 3072x576 fp32, 1 row 182 us,
+2 rows 390 us),
 so an ICaRus paired step (a base row and an adapter row) paid nearly double. oneDNN with
 weights reordered once at load (what PyTorch's own inductor uses for frozen CPU linears)
 keeps small batches near the one-row cost (149 / 181 / 252 us for 1 / 2 / 4 rows, same
@@ -40,7 +41,7 @@ class OneDNNLinear:
     def prepare(weight: torch.Tensor):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return weight
-        return _Packed(torch.ops.mkldnn._reorder_linear_weight(weight, 1), weight.shape[0])
+        return _Packed(torch.ops.mkldnn._reorder_linear_weight(weight, 1))
 
     @staticmethod
     def apply(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +51,9 @@ class OneDNNLinear:
 
 
 class _Packed:
-    __slots__ = ("packed", "out_features")
+    """A weight in oneDNN's layout (told apart from a plain tensor, which takes F.linear)."""
 
-    def __init__(self, packed: torch.Tensor, out_features: int):
-        self.packed, self.out_features = packed, out_features
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: torch.Tensor):
+        self.packed = packed

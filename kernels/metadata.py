@@ -30,17 +30,13 @@ class AttentionMetadata:
     seq_causal: list[bool]  # rows are positions 0..n-1 in order: SDPA's causal path, no mask
     seq_all_last: list[bool]  # every row sits at the last position: no mask needed
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.positions)
-
 
 def build_attention_metadata(row_seq: list[int], positions: list[int], write_slots: list[int],
                              block_tables: list[list[int]], block_size: int,
                              device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata for rows grouped by sequence (a sequence's rows are contiguous, in order of
     ``row_seq`` values 0..S-1); ``block_tables[s]`` lists sequence s's blocks."""
-    bounds, context, causal, all_last, key_slots = [], [], [], [], []
+    bounds, context, causal, all_last, key_slots, tables = [], [], [], [], [], []
     start, rows = 0, len(row_seq)
     while start < rows:
         seq = row_seq[start]
@@ -54,12 +50,13 @@ def build_attention_metadata(row_seq: list[int], positions: list[int], write_slo
         causal.append(end - start == length and length > 1 and pos == list(range(length)))
         all_last.append(all(p == length - 1 for p in pos))
         table = block_tables[seq]
+        tables.append(table)
         for b in range((length + block_size - 1) // block_size):
             first = table[b] * block_size
             key_slots.extend(range(first, first + min(block_size, length - b * block_size)))
         start = end
-    width = max((len(block_tables[row_seq[s]]) for s, _ in bounds), default=0)
-    tables = [block_tables[row_seq[s]] + [0] * (width - len(block_tables[row_seq[s]])) for s, _ in bounds]
+    width = max(map(len, tables), default=0)
+    tables = [table + [0] * (width - len(table)) for table in tables]
     loc = [0] + [e for _, e in bounds]
     host = [torch.tensor(positions, dtype=torch.long), torch.tensor(write_slots, dtype=torch.long),
             torch.tensor(loc, dtype=torch.int32), torch.tensor(context, dtype=torch.int32),

@@ -61,8 +61,7 @@ class Batch:
     """A step's rows in tensors, and what each logit row is for."""
 
     tokens: torch.Tensor  # (R,) token ids
-    adapter_slots: list[int]  # (R,) adapter slot per row, -1 = base weights (host side)
-    lora_groups: list[tuple[int, torch.Tensor]]  # (slot, its rows) for the LoRA kernel
+    lora_groups: list[tuple[int, torch.Tensor]]  # (adapter slot, its rows) for the LoRA kernel
     attention: AttentionMetadata
     logit_rows: torch.Tensor  # rows whose next-token logits are wanted
     targets: list[tuple[int, int | None]]  # per logit row: (plan index, None = sample | p = score p + 1)
@@ -99,6 +98,6 @@ def build_batch(plans: list[StepPlan], block_size: int, device: torch.device | s
         row_seq.extend([index] * (len(tokens) - first))
     meta = build_attention_metadata(row_seq, positions, writes, [p.seq.block_table for p in plans],
                                     block_size, device)
-    return Batch(torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True), slots,
+    return Batch(torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True),
                  lora_groups(slots, device), meta,
                  torch.tensor(logit_rows, dtype=torch.long).to(device, non_blocking=True), targets)

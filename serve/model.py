@@ -55,7 +55,6 @@ class Model:
         for file in model_weight_files(model_dir):
             w.update(load_tensors(file))
         w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
-        self.device = torch.device(device)
         self.embed = w["model.embed_tokens.weight"]
         self.kernels = kernels = kernels or Kernels()
         prepare = kernels.linear.prepare  # e.g. packed once for oneDNN

@@ -2,8 +2,9 @@
 
 Text is detokenised incrementally (vLLM's prefix/read-offset scheme): each new token decodes
 only a short window, not the whole output, and a window ending in an incomplete UTF-8
-character waits for the next token (or the end of the output). Stop strings are searched only in the new tail (plus
-the longest stop string's overlap), so a step costs the same at token 10 and token 10,000.
+character waits for the next token (or the end of the output). Stop strings are searched
+only in the new tail (plus the longest stop string's overlap), so a step costs the same at
+token 10 and token 10,000.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ class ModelRunner:
                  kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
                  kernels: Kernels):
         self.device = device
-        self.dtype = dtype
         self.model = Model(model_dir, dtype, device, kernels)
         self.kernels = kernels
         self.block_size = block_size

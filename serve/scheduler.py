@@ -47,15 +47,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _fit(self, seq: Sequence, budget: int, alone: bool) -> int:
-        """Most tokens of ``seq`` this step can compute within ``budget`` rows. Prompt scoring
+    def _fit(self, seq: Sequence, budget: int, alone: bool) -> StepPlan:
+        """The step computing the most tokens of ``seq`` within ``budget`` rows. Prompt scoring
         costs more than a row per token (an ICaRus position adds its read-only adapter row;
         positions from the prefix cache add theirs), so the chunk shrinks to fit. A sequence
         alone in the step always gets a token, so that a backlog of read-only rows larger
         than the budget cannot stall it (that one step runs over the budget)."""
         todo = len(seq) - seq.num_computed
         if seq.params.prompt_logprobs is None:
-            extra = plan_step(seq, todo).num_rows - todo if todo else 0  # e.g. the ICaRus adapter row
+            whole = plan_step(seq, todo)  # a decode step, or the rest of the prompt
+            if whole.num_rows <= budget or not todo:
+                return whole
+            extra = whole.num_rows - todo  # e.g. the ICaRus adapter row
             n = max(0, min(todo, budget - extra))
         else:
             fits = lambda k: plan_step(seq, k).num_rows <= budget  # noqa: E731
@@ -64,7 +67,7 @@ class Scheduler:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
             n = lo
-        return min(todo, 1) if n == 0 and alone else n
+        return plan_step(seq, min(todo, 1) if n == 0 and alone else n)
 
     def _preempt_newest(self, keep: Sequence) -> bool:
         """Release the newest running sequence other than ``keep``; False if there is none."""
@@ -88,20 +91,19 @@ class Scheduler:
                 continue  # preempted while making room for an older sequence
             if budget <= 0:
                 break
-            todo = len(seq) - seq.num_computed
-            n = self._fit(seq, budget, alone=not plan)
-            if todo and n <= 0:
+            step = self._fit(seq, budget, alone=not plan)
+            if len(seq) > seq.num_computed and step.n_compute == 0:
                 break
             while True:
                 try:
-                    self.blocks.ensure_capacity(seq, seq.num_computed + n)
+                    self.blocks.ensure_capacity(seq, seq.num_computed + step.n_compute)
                     break
                 except OutOfBlocks:
                     if not self._preempt_newest(keep=seq):
                         raise
                     plan = [p for p in plan if p.seq in self.running]
-            plan.append(plan_step(seq, n))
-            budget -= plan[-1].num_rows
+            plan.append(step)
+            budget -= step.num_rows
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             try:
@@ -114,12 +116,11 @@ class Scheduler:
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.perf_counter()
             seq.num_cached_prompt = max(seq.num_cached_prompt, min(seq.num_computed, len(seq.prompt)))
-            todo = len(seq) - seq.num_computed
-            n = self._fit(seq, budget, alone=not plan)
-            if todo and n == 0:
+            step = self._fit(seq, budget, alone=not plan)
+            if len(seq) > seq.num_computed and step.n_compute == 0:
                 break
-            plan.append(plan_step(seq, n))
-            budget -= plan[-1].num_rows
+            plan.append(step)
+            budget -= step.num_rows
         return plan
 
     # after the model ran ---------------------------------------------------------------------

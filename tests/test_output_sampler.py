@@ -30,7 +30,9 @@ def test_incremental_text_equals_a_whole_decode(tokenizer):
         assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
     emoji = tokenizer.encode("ok 😀 ok", add_special_tokens=False)  # multi-byte: several tokens
     detok = IncrementalDetokenizer(tokenizer)
-    assert [detok.update(emoji[:n]) for n in range(1, len(emoji) + 1)] and detok.text == "ok 😀 ok"
+    for n in range(1, len(emoji) + 1):
+        detok.update(emoji[:n])
+    assert detok.text == "ok 😀 ok"  # complete once the last byte of the emoji arrived
 
 
 def test_stop_strings_match_across_tokens_and_cut_the_text(base, tokenizer):

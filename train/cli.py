@@ -31,11 +31,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    return run(args)
-
-
-
 def _cmd_plot_loss(args: argparse.Namespace) -> int:
     from .plot import plot_loss_curves
 
@@ -44,15 +39,13 @@ def _cmd_plot_loss(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def register(sub) -> None:
     """Add ``kvshare train`` and ``kvshare plot-loss``."""
     p = sub.add_parser("train", help="train an adapter from a recipe (in-process)",
                        description="Train an ICaRus, aLoRA or LoRA adapter from a YAML recipe; the "
                        "same code as `accelerate launch -m kvshare.train RECIPE.yaml`.")
     add_arguments(p)
-    p.set_defaults(func=_cmd_train)
+    p.set_defaults(func=run)
     p = sub.add_parser("plot-loss", help="overlay the loss curves of training runs",
                        description="Plot loss against step for one or more run folders "
                        "(their metrics.jsonl) on one chart, e.g. ICaRus vs LoRA on one task.")

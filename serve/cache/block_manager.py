@@ -8,7 +8,7 @@ unreferenced stay reusable until the policy gives them up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..sequence import Sequence
 from .layout import KVLayout
@@ -27,9 +27,6 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     evictions: int = 0
 
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 @dataclass
 class BlockInfo:
@@ -43,7 +40,6 @@ class BlockManager:
         self.block_size = block_size
         self.index = PrefixIndex(base_fingerprint)
         self.layout = layout or KVLayout()
-        self._policy_type = type(policy) if policy is not None else LRUPolicy
         self.policy = policy or LRUPolicy()
         self.reset(num_blocks)
 
@@ -55,7 +51,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.blocks = [BlockInfo() for _ in range(num_blocks)]
         self.index.clear()
-        self.policy = self._policy_type()
+        self.policy = type(self.policy)()  # a fresh policy of the engine's kind
         self.stats = CacheStats()
 
     # keys -------------------------------------------------------------------------------
@@ -143,12 +139,9 @@ class BlockManager:
             return
         # continue the chain from the last published block instead of hashing from the root
         for index, owner, key in self._keys(seq, full * self.block_size, seq.hashed_blocks, seq.chain_key):
-            block_id = seq.block_table[index]
-            info = self.blocks[block_id]
-            if info.key is None and self.index.publish(key, block_id):
-                info.key, info.owner = key, owner
-            elif self.index.pending.get(key) == block_id:
-                del self.index.pending[key]
+            block_id = seq.block_table[index]  # freshly computed here, so never published before
+            if self.index.publish(key, block_id):
+                self.blocks[block_id].key, self.blocks[block_id].owner = key, owner
             seq.chain_key = key
         seq.hashed_blocks = full
 

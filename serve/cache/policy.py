@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
+from ...errors import KvshareError
+
 
 class EvictionPolicy(ABC):
     """The set of evictable blocks, in the order they should go."""
@@ -59,8 +61,6 @@ POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    from ...errors import KvshareError
-
     if name not in POLICIES:
         raise KvshareError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})")
     return POLICIES[name]()

@@ -39,8 +39,8 @@ class PrefixIndex:
         self.pending.setdefault(key, block_id)
 
     def publish(self, key: bytes, block_id: int) -> bool:
-        """The block now holds this key's KV. False if another block already serves the key
-        (the caller keeps its block private)."""
+        """The block now holds this key's KV (no longer pending). False if another block
+        already serves the key (the caller keeps its block private)."""
         if self.pending.get(key) == block_id:
             del self.pending[key]
         if key in self.cached:
