@@ -14,26 +14,29 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from .gsm8k import evaluate_gsm8k
 
         evaluate_gsm8k(args.model, args.adapter, args.out, limit=args.limit, shots=args.shots, batch=args.batch,
-                       prompt_format=args.prompt_format, dtype=args.dtype, max_tokens=args.max_tokens or 256)
+                       prompt_format=args.prompt_format, dtype=args.dtype, max_tokens=args.max_tokens or 256,
+                       overwrite=args.overwrite)
     elif args.task == "f1":
         from .qa import evaluate_f1
 
         evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch,
-                    dtype=args.dtype, max_tokens=args.max_tokens or 32)
+                    dtype=args.dtype, max_tokens=args.max_tokens or 32, overwrite=args.overwrite)
     elif args.task == "suite":
         from .suite import run_suite
 
         if not args.spec:
             raise KvshareError("kvshare eval suite needs --spec SUITE.yaml")
-        report = run_suite(args.spec, args.out)
+        report = run_suite(args.spec, args.out, overwrite=args.overwrite)
         print(report["quality_md"] + "\n" + report["orchestration_md"], end="")
         return 0
     else:
-        from .code import evaluate_code
+        from .code import code_task
+        from .harness import evaluate
 
-        evaluate_code(args.task, args.model, args.adapter, args.out, limit=args.limit, samples=args.samples,
-                      temperature=args.temperature, batch=args.batch, dtype=args.dtype,
-                      max_tokens=args.max_tokens or 512)
+        task = code_task(args.task, limit=args.limit, samples=args.samples, temperature=args.temperature,
+                         max_tokens=args.max_tokens or 512)
+        evaluate(task, args.model, args.adapter, args.out, batch=args.batch, dtype=args.dtype,
+                 overwrite=args.overwrite)
     print((Path(args.out) / "results.md").read_text(), end="")
     return 0
 
@@ -90,6 +93,17 @@ def _cmd_bench_alora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_kvflow(args: argparse.Namespace) -> int:
+    from .perf.kvflow import markdown, run_kvflow_bench
+
+    results = run_kvflow_bench(
+        model=args.model, fixed_tokens=tuple(args.fixed_tokens), output_tokens=tuple(args.output_tokens),
+        dynamic_tokens=args.dynamic_tokens, agents=args.agents, rounds=args.rounds, concurrent=args.concurrent,
+        links=tuple(args.links), modes=tuple(args.modes), dtype=args.dtype, threads=args.threads, out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
 def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
     """Options every benchmark takes: the model, its dtype, CPU threads, the report folder."""
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,12 +156,30 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.set_defaults(func=_cmd_bench_alora)
 
+    p = bsub.add_parser("kvflow", help="KVFlow: step-aware eviction + host tier + prefetch vs LRU",
+                        description="10 agents in a ReAct loop, each with its own fixed prompt, over a "
+                        "KV pool that holds about half of them: LRU, LRU + host tier (reactive "
+                        "load-back) and KVFlow (step-aware eviction, host tier, prefetch), swept over "
+                        "fixed and output lengths plus a concurrent-workflows point. JSON, markdown, plot.")
+    _bench_common(p, "write kvflow_bench.{json,md} and kvflow_latency.png here")
+    p.add_argument("--fixed-tokens", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--output-tokens", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--dynamic-tokens", type=int, default=32)
+    p.add_argument("--agents", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="calls per agent per workflow")
+    p.add_argument("--concurrent", type=int, default=4, help="workflows of the concurrent point (1: none)")
+    p.add_argument("--links", nargs="+", default=["25", "gpu-ratio"],
+                   help="host links: GB/s, or gpu-ratio (a token's KV loads in 1/8 of its prefill time)")
+    p.add_argument("--modes", nargs="+", default=["lru", "lru+host", "kvflow"], choices=["lru", "lru+host", "kvflow"])
+    p.set_defaults(func=_cmd_bench_kvflow)
+
     p = sub.add_parser("eval", help="score the base or an adapter through the engine",
                        description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
                        "and flexible-extract), f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD), "
                        "humaneval / humanevalplus / mbpp (programs executed out of process; pass@k), "
                        "or a whole suite (per-kind quality and the orchestrated multi-adapter system). "
-                       "Resumable: finished samples in OUT/samples.jsonl are kept.")
+                       "Resumable: finished samples in OUT/samples.jsonl are kept when they were made "
+                       "with the same settings; other settings are refused unless --overwrite.")
     p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp", "suite"],
                    help="a benchmark, or 'suite': the quality and orchestration tables from --spec")
     p.add_argument("--spec", metavar="SUITE.yaml", help="suite: systems of adapters and limits "
@@ -165,6 +197,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace samples logged in OUT under other settings (or by an older kvshare) "
+                   "instead of refusing; every sample is generated again")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("lm-eval", help="run lm-eval with the kvshare model registered",

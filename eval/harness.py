@@ -7,22 +7,37 @@ in the same batch, so adapters whose sharing rule allows it (ICaRus; aLoRA up to
 invocation) reuse each other's prompt KV, as they would serving a multi-agent system.
 
 Finished samples are appended to ``samples.jsonl`` in each adapter's output folder as they
-complete; a rerun skips them, so an interrupted evaluation continues where it stopped.
-Results are written as JSON plus a markdown line.
+complete; a rerun skips them, so an interrupted evaluation continues where it stopped. The
+log's first line is a header: the settings that change outputs and their hash
+(:func:`run_settings`). A rerun whose settings hash differs is refused (or, with
+``overwrite``, starts a fresh log), so a log never mixes samples of two configurations and
+``results.json`` never claims settings its samples were not made with. Results are written
+(atomically) as JSON plus a markdown line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
 
 from ..errors import KvshareError
+from ..fsutil import write_text_atomic
 from ..serve import LLM, LLMEngine, SamplingParams
+
+HEADER_KEY = "kvshare_eval_log"  # the header record's marker (its value: the header's format)
+HEADER_FORMAT = 1
+# task settings that choose which items run, not what an item's output is: a rerun with a
+# larger limit extends a log instead of being refused
+SELECTION = frozenset({"limit", "problems", "samples"})
+NAMES = frozenset({"model", "adapter"})  # readable names; identity is in the fingerprint/digest
+# files computed from a folder's samples, stale once the samples are generated again
+DERIVED = ("results.json", "results.md", "evalplus.jsonl")
 
 
 @dataclass
@@ -58,12 +73,64 @@ def load_llm(model: str, adapter: str | None, dtype: str = "float32",
     return llm, name
 
 
-def _read_log(path: Path) -> dict[str, dict]:
-    """Finished samples of a log. A last line cut short (the run was killed while writing it)
-    is dropped from the file, so the sample is generated again and appended cleanly; a broken
-    line anywhere else means the log was damaged, and that is an error, not something to skip."""
+def run_settings(task: EvalTask, model: str, base_fingerprint: str, adapter: str | None,
+                 adapter_digest: str | None, dtype: str) -> dict:
+    """Everything that changes an item's output, readable: the base and adapter by identity
+    (weights, not names), the dtype, the task's prompt settings and the sampling parameters."""
+    sampling = None
+    if task.items:
+        params = task.params(task.items[0]) if callable(task.params) else task.params
+        sampling = asdict(params)
+        if callable(task.params) and sampling["seed"] is not None:
+            sampling["seed"] = "per item"  # derived from each item's id
+    prompt = {k: v for k, v in sorted(task.settings.items()) if k not in SELECTION}
+    return {"task": task.name, "model": str(model), "base_fingerprint": base_fingerprint, "adapter": adapter,
+            "adapter_digest": adapter_digest, "dtype": dtype, **prompt, "sampling": sampling}
+
+
+def settings_hash(settings: dict) -> str:
+    """sha256 of the settings that change outputs (names left out: a renamed adapter with
+    the same weights is the same run)."""
+    hashed = {k: v for k, v in settings.items() if k not in NAMES}
+    return "sha256:" + hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def engine_settings(llm: LLM, task: EvalTask, adapter: str | None) -> dict:
+    """:func:`run_settings` of an adapter (None = the base) loaded in ``llm``."""
+    engine = llm.engine
+    digest = engine.adapter(adapter).digest if adapter else None
+    return run_settings(task, engine.model_name, engine.fingerprint, adapter, digest, engine.config.dtype)
+
+
+def _header(settings: dict) -> dict:
+    return {HEADER_KEY: HEADER_FORMAT, "settings_hash": settings_hash(settings), "settings": settings}
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text[:19] + "..." if text.startswith("sha256:") else text
+
+
+def settings_diff(old: dict, new: dict) -> str:
+    """What differs between two runs' settings, for a one-line error."""
+    keys = [k for k in dict.fromkeys([*old, *new]) if k not in NAMES and old.get(k) != new.get(k)]
+    parts = []
+    for key in keys:
+        if isinstance(old.get(key), dict) and isinstance(new.get(key), dict):
+            parts += [f"{key}.{k} {_short(old[key].get(k))} -> {_short(new[key].get(k))}"
+                      for k in dict.fromkeys([*old[key], *new[key]]) if old[key].get(k) != new[key].get(k)]
+        else:
+            parts.append(f"{key} {_short(old.get(key))} -> {_short(new.get(key))}")
+    return ", ".join(parts) or "the settings hash"
+
+
+def _read_log(path: Path) -> tuple[dict | None, dict[str, dict]]:
+    """The header and finished samples of a log. A last line cut short (the run was killed
+    while writing it) is dropped from the file, so the sample is generated again and appended
+    cleanly; a broken line anywhere else means the log was damaged, and that is an error, not
+    something to skip."""
     if not path.is_file():
-        return {}
+        return None, {}
     text = path.read_text(encoding="utf-8")
     tail = text.rpartition("\n")[2]  # what follows the last newline: "" unless the run was killed
     if tail.strip():
@@ -72,10 +139,8 @@ def _read_log(path: Path) -> dict[str, dict]:
             text += "\n"  # written whole, the newline not yet
         except json.JSONDecodeError:
             text = text[: len(text) - len(tail)]
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(text, encoding="utf-8")
-        temporary.replace(path)
-    records = {}
+        write_text_atomic(path, text)
+    header, records = None, {}
     # split on newlines only: outputs may hold U+2028 or U+0085, which JSON leaves unescaped
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
@@ -84,18 +149,60 @@ def _read_log(path: Path) -> dict[str, dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise KvshareError(f"{path}: line {number} is not a JSON record; move the file away to start over") from None
-        records[record["id"]] = record
+        if HEADER_KEY in record:
+            if number != 1:
+                raise KvshareError(f"{path}: line {number} is a second header (logs were joined?); "
+                                   "move the file away to start over")
+            header = record
+        else:
+            records[record["id"]] = record
+    return header, records
+
+
+def logged_samples(path: str | Path) -> list[dict]:
+    """The samples of a log in the order they were written, its header left out: for readers
+    of ``samples.jsonl``."""
+    return list(_read_log(Path(path))[1].values())
+
+
+def _open_log(path: Path, settings: dict, overwrite: bool) -> dict[str, dict]:
+    """Finished samples of ``path`` made with ``settings``; refuses a log made otherwise."""
+    if overwrite:
+        return {}
+    header, records = _read_log(path)
+    if header is None and not records:
+        return {}
+    retry = "rerun with --overwrite to generate every sample again, or use another --out"
+    if header is None:
+        raise KvshareError(f"{path} has no settings header (written by an older kvshare), so its samples "
+                           f"cannot be matched to these settings; {retry}")
+    if header.get(HEADER_KEY) != HEADER_FORMAT:
+        raise KvshareError(f"{path}: header format {header.get(HEADER_KEY)!r} is not {HEADER_FORMAT}; {retry}")
+    if header.get("settings_hash") != settings_hash(settings):
+        raise KvshareError(f"{path} holds samples made with other settings "
+                           f"({settings_diff(header.get('settings') or {}, settings)}); {retry}")
     return records
 
 
-def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batch: int = 8) -> dict[str | None, list[dict]]:
+def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batch: int = 8,
+                overwrite: bool = False) -> dict[str | None, list[dict]]:
     """Generate and judge every item for every adapter (None = the base); returns the judged
-    samples per adapter in item order, reusing samples already logged in its folder."""
-    logs, done = {}, {}
+    samples per adapter in item order, reusing samples already logged in its folder under
+    the same settings. Every log is checked before any is touched; ``overwrite`` replaces
+    each log (atomically, by one with only the header) and what was computed from it."""
+    logs, done, headers = {}, {}, {}
+    for adapter, folder in out_dirs.items():
+        logs[adapter] = folder / "samples.jsonl"
+        settings = engine_settings(llm, task, adapter)
+        headers[adapter] = _header(settings)
+        done[adapter] = _open_log(logs[adapter], settings, overwrite)
     for adapter, folder in out_dirs.items():
         folder.mkdir(parents=True, exist_ok=True)
-        logs[adapter] = folder / "samples.jsonl"
-        done[adapter] = _read_log(logs[adapter])
+        if overwrite or not done[adapter]:
+            if overwrite:
+                for name in DERIVED:
+                    (folder / name).unlink(missing_ok=True)
+            write_text_atomic(logs[adapter], json.dumps(headers[adapter], ensure_ascii=False) + "\n")
     todo = [(item, a) for item in task.items for a in out_dirs if item["id"] not in done[a]]
     total = len(task.items) * len(out_dirs)
     handles = {a: open(logs[a], "a", encoding="utf-8") for a in out_dirs}
@@ -122,22 +229,23 @@ def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batc
 
 
 def score(task: EvalTask, samples: list[dict], out_dir: Path, model: str, adapter: str | None,
-          extra: dict | None = None) -> dict:
-    """Scores of one adapter's samples, written as results.json and results.md."""
+          settings: dict, extra: dict | None = None) -> dict:
+    """Scores of one adapter's samples, written (atomically) as results.json and results.md;
+    results.json carries the run's settings and their hash, as the samples log does."""
     results = {"task": task.name, "model": str(model), "adapter": adapter, **task.settings, **(extra or {}),
-               **task.summarize(samples, out_dir)}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "results.md").write_text(f"| {task.name} | {adapter or 'base'} | {task.row(results)} |\n")
+               "settings_hash": settings_hash(settings), "settings": settings, **task.summarize(samples, out_dir)}
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
+    write_text_atomic(out_dir / "results.md", f"| {task.name} | {adapter or 'base'} | {task.row(results)} |\n")
     return results
 
 
 def evaluate(task: EvalTask, model: str, adapter: str | None, out_dir: str | Path, batch: int = 8,
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", overwrite: bool = False) -> dict:
     """One task, one adapter (a folder or None for the base), a fresh engine."""
     llm, name = load_llm(model, adapter, dtype=dtype)
     out_dir = Path(out_dir)
-    samples = run_samples(llm, task, {name: out_dir}, batch)[name]
-    return score(task, samples, out_dir, model, adapter, {"dtype": dtype})
+    samples = run_samples(llm, task, {name: out_dir}, batch, overwrite)[name]
+    return score(task, samples, out_dir, model, adapter, engine_settings(llm, task, name), {"dtype": dtype})
 
 
 def ci_cell(metric: dict) -> str:

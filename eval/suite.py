@@ -15,9 +15,12 @@ column, average). A rerun reuses every finished sample, so an interrupted suite 
 a finished one just rebuilds its tables.
 
 The tables also gather runs that earlier invocations finished in the same ``--out`` folder
-(their ``results.json``), when the model, dtype, limit and generation length they record equal
-this spec's. So a suite can be run in parts, one spec per set of adapters trained so far or per
-machine, and the tables show the union; per-sample logs need not travel with the scores.
+(their ``results.json``), when their settings hash equals the one this spec gives them: the
+same base weights, adapter weights (read from the spec's folder for that row, else from the
+folder the run recorded; never matched by name), dtype, prompts and generation settings, and
+the same limit. So a suite can be run in parts, one spec per set of adapters trained so far or
+per machine, and the tables show the union; per-sample logs need not travel with the scores.
+Runs that do not match are listed, with the reason, under ``not_merged`` in quality.json.
 """
 
 from __future__ import annotations
@@ -28,11 +31,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..kinds import kind_spec
+from .. import manifest
+from ..errors import KvshareError
+from ..fingerprint import fingerprints
+from ..fsutil import write_text_atomic
+from ..kinds import kind_spec, parse_kind
+from ..models import resolve_model_dir
+from ..serve.adapters import adapter_digest
 from ..yamlspec import load_spec
 from .code import code_task
 from .gsm8k import gsm8k_task
-from .harness import EvalTask, ci_cell, load_llm, run_samples, score
+from .harness import (EvalTask, ci_cell, engine_settings, load_llm, run_samples, run_settings, score,
+                      settings_diff, settings_hash)
 from .qa import f1_task
 
 DOMAINS = {"math": "gsm8k", "code": "humanevalplus", "qa": "f1-hotpotqa"}
@@ -101,63 +111,109 @@ class SuiteSpec(_Strict):
         return groups
 
 
-def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
+def build_task(spec: SuiteSpec, name: str) -> EvalTask:
     limits, lengths = spec.limits, spec.max_tokens
-    builders = {"gsm8k": lambda: gsm8k_task(limit=limits.gsm8k, max_tokens=lengths.gsm8k),
-                "humanevalplus": lambda: code_task("humanevalplus", limit=limits.humanevalplus,
-                                                   max_tokens=lengths.humanevalplus),
-                "f1-hotpotqa": lambda: f1_task("hotpotqa", limit=limits.hotpotqa, max_tokens=lengths.hotpotqa)}
-    return {name: builders[name]() for name in DOMAINS.values() if name in spec.tasks}
+    if name == "gsm8k":
+        return gsm8k_task(limit=limits.gsm8k, max_tokens=lengths.gsm8k)
+    if name == "humanevalplus":
+        return code_task("humanevalplus", limit=limits.humanevalplus, max_tokens=lengths.humanevalplus)
+    return f1_task("hotpotqa", limit=limits.hotpotqa, max_tokens=lengths.hotpotqa)
+
+
+def build_tasks(spec: SuiteSpec) -> dict[str, EvalTask]:
+    return {name: build_task(spec, name) for name in DOMAINS.values() if name in spec.tasks}
 
 
 LIMITS = {"gsm8k": "gsm8k", "humanevalplus": "humanevalplus", "f1-hotpotqa": "hotpotqa"}  # task -> Limits field
 
 
-def run_settings(spec: SuiteSpec, task: str) -> dict:
-    """What a run's results.json must record to count as a run of this spec."""
-    field = LIMITS[task]
-    return {"task": task, "model": spec.model, "dtype": spec.dtype_of(task), "limit": getattr(spec.limits, field),
-            "max_tokens": getattr(spec.max_tokens, field)}
+def folder_digest(folder: str | Path) -> str:
+    """An exported adapter's content digest, as the engine computes it when loading it."""
+    data = manifest.read(Path(folder))
+    kind = parse_kind(data["kind"])
+    invocation = data["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
+    return adapter_digest(Path(folder), kind, invocation)
 
 
-def finished_runs(spec: SuiteSpec, out: Path) -> dict[tuple[str, str], dict]:
-    """Scores of runs finished earlier under ``out/samples`` for this spec's systems and settings.
+def finished_runs(spec: SuiteSpec, out: Path,
+                  tasks: dict[str, EvalTask]) -> tuple[dict[tuple[str, str], dict], list[str]]:
+    """Scores of runs finished earlier under ``out/samples`` for this spec's systems whose
+    settings hash is the one this spec gives them, and why each other run was left out.
 
-    ``max_tokens`` is checked only where recorded (earlier results.json files lack it)."""
+    A row's adapter is the spec's folder for it, else the folder the run recorded (a partial
+    spec need not name every adapter); its identity is its content digest, never its name."""
     systems = {"base"} if spec.base else set()
-    found = {}
+    found, skipped, base = {}, [], []
+
+    def expected(system: str, row: str, task: str, results: dict) -> dict:
+        if not base:
+            base.append(fingerprints(resolve_model_dir(spec.model)).base)
+        if task not in tasks:
+            tasks[task] = build_task(spec, task)
+        digest = None
+        if row != "base":
+            domain = row[: -len(system) - 1]
+            folder = getattr(spec.systems[system], domain, None) if system in spec.systems else None
+            folder = folder or results.get("adapter")
+            try:
+                digest = folder_digest(folder)
+            except (KvshareError, OSError, TypeError) as err:
+                raise KvshareError(f"its adapter cannot be read ({err})") from None
+        return run_settings(tasks[task], spec.model, base[0], row, digest, spec.dtype_of(task))
+
     for path in sorted((out / "samples").glob("*/*/*/results.json")):
         system, row, task = path.parts[-4:-1]
         if task not in LIMITS or (system not in systems and system not in spec.systems):
             continue
-        results = json.loads(path.read_text())
-        if all(results.get(key, value if key == "max_tokens" else None) == value
-               for key, value in run_settings(spec, task).items()):
+        label = f"{row}/{task}"
+        try:
+            results = json.loads(path.read_text())
+            wanted = expected(system, row, task, results)
+        except (json.JSONDecodeError, OSError) as err:
+            skipped.append(f"{label}: unreadable ({err})")
+            continue
+        except KvshareError as err:
+            skipped.append(f"{label}: {err}")
+            continue
+        limit = getattr(spec.limits, LIMITS[task])
+        if "settings_hash" not in results:
+            skipped.append(f"{label}: no settings hash (an older kvshare)")
+        elif results["settings_hash"] != settings_hash(wanted):
+            skipped.append(f"{label}: other settings ({settings_diff(results['settings'], wanted)})")
+        elif results.get("limit") != limit:
+            skipped.append(f"{label}: other settings (limit {results.get('limit')} -> {limit})")
+        else:
             found[(row, task)] = results
-    return found
+    return found, skipped
 
 
-def run_suite(spec_path: str | Path, out: str | Path) -> dict:
+def run_suite(spec_path: str | Path, out: str | Path, overwrite: bool = False) -> dict:
+    """Run a suite spec into ``out``; ``overwrite`` regenerates the logs of the runs it
+    performs when they were made with other settings (else such a log is refused)."""
     spec = load_spec(spec_path, SuiteSpec, "evaluation suite")
     out = Path(out)
     tasks = build_tasks(spec)
-    scores = finished_runs(spec, out)  # (row label, task) -> results; runs below replace these
+    # (row label, task) -> results; runs below replace these
+    scores, not_merged = finished_runs(spec, out, dict(tasks))
     earlier = set(scores)
     kinds = {system: results["kind"] for (row, _), results in scores.items() if "kind" in results
              for system in spec.systems if row.endswith(f"-{system}")}
     sharing: dict[str, dict] = {}
+    performed: set[str] = set()
 
     def evaluate_together(llm, task_name: str, adapters: dict[str | None, str | None], system: str) -> list[dict]:
         """Run adapters (engine name -> folder; None = base) on one task at once; keep scores."""
         task = tasks[task_name]
         folders = {name: out / "samples" / system / (name or "base") / task_name for name in adapters}
-        results = run_samples(llm, task, folders, spec.batch)
-        wanted = run_settings(spec, task_name)
+        results = run_samples(llm, task, folders, spec.batch, overwrite)
         for name, folder in folders.items():
             kind = llm.engine.adapter(name).kind.value if name else "base"
-            extra = {"dtype": wanted["dtype"], "max_tokens": wanted["max_tokens"], "kind": kind}
-            scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name], extra)
+            extra = {"dtype": spec.dtype_of(task_name), "max_tokens": getattr(spec.max_tokens, LIMITS[task_name]),
+                     "kind": kind}
+            scores[(name or "base", task_name)] = score(task, results[name], folder, spec.model, adapters[name],
+                                                        engine_settings(llm, task, name), extra)
             earlier.discard((name or "base", task_name))
+            performed.add(f"{name or 'base'}/{task_name}")
         return [sample for samples in results.values() for sample in samples]
 
     if spec.base:
@@ -189,14 +245,18 @@ def run_suite(spec_path: str | Path, out: str | Path) -> dict:
                            "by_task": by_task}
     report = tables(spec, scores, kinds, sharing)
     report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
+    report["quality"]["not_merged"] = [why for why in not_merged if why.partition(":")[0] not in performed]
     if earlier:
         report["quality_md"] += ("\nScores from runs finished by earlier invocations (same settings): "
                                  + ", ".join(report["quality"]["from_earlier_runs"]) + ".\n")
+    if report["quality"]["not_merged"]:
+        report["quality_md"] += ("\nEarlier runs left out (their settings are not this spec's): "
+                                 + "; ".join(report["quality"]["not_merged"]) + ".\n")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(report["quality"], indent=1))
-    (out / "quality.md").write_text(report["quality_md"])
-    (out / "orchestration.json").write_text(json.dumps(report["orchestration"], indent=1))
-    (out / "orchestration.md").write_text(report["orchestration_md"])
+    write_text_atomic(out / "quality.json", json.dumps(report["quality"], indent=1))
+    write_text_atomic(out / "quality.md", report["quality_md"])
+    write_text_atomic(out / "orchestration.json", json.dumps(report["orchestration"], indent=1))
+    write_text_atomic(out / "orchestration.md", report["orchestration_md"])
     return report
 
 

@@ -1,14 +1,17 @@
-"""GSM8K and F1 harnesses: lm-eval's scoring, resumable runs through the engine."""
+"""GSM8K and F1 harnesses: lm-eval's scoring, resumable runs through the engine, logs bound
+to the settings they were made with."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 
 from kvshare.eval.gsm8k import Scorer, evaluate_gsm8k
 from kvshare.errors import KvshareError
-from kvshare.eval.harness import mean_ci95
+from kvshare.eval.harness import logged_samples, mean_ci95
 from kvshare.eval.qa import evaluate_f1, load_items
 
 REFERENCE = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
@@ -39,12 +42,11 @@ def test_gsm8k_runs_through_the_engine_and_resumes(tiny_models, tmp_path):
     base = str(tiny_models("llama"))
     first = evaluate_gsm8k(base, None, tmp_path, limit=3, shots=1, max_tokens=8)
     assert first["strict-match"]["n"] == 3
-    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
-    record = json.loads(lines[0])
+    record = logged_samples(tmp_path / "samples.jsonl")[0]  # the settings header left out
     assert {"prompt", "output", "reference", "strict-match", "flexible-extract"} <= set(record)
-    again = evaluate_gsm8k(base, None, tmp_path, limit=4, shots=1, max_tokens=8)
+    again = evaluate_gsm8k(base, None, tmp_path, limit=4, shots=1, max_tokens=8)  # a larger limit extends
     assert again["strict-match"]["n"] == 4
-    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 4  # 3 reused, 1 new
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 1 + 4  # 3 reused, 1 new
 
 
 def test_a_log_cut_short_resumes_and_a_damaged_one_is_refused(tiny_models, tmp_path):
@@ -52,22 +54,93 @@ def test_a_log_cut_short_resumes_and_a_damaged_one_is_refused(tiny_models, tmp_p
     evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
     log = tmp_path / "samples.jsonl"
     whole = log.read_text()
-    lines = [line + "\n" for line in whole.split("\n")[:-1]]  # outputs may hold other line breaks
-    log.write_text("".join(lines[:2]) + lines[2][:25])  # killed while writing the third sample
+    lines = [line + "\n" for line in whole.split("\n")[:-1]]  # header, 3 samples; outputs may hold other line breaks
+    log.write_text("".join(lines[:3]) + lines[3][:25])  # killed while writing the third sample
     again = evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
     assert again["strict-match"]["n"] == 3
     assert log.read_text() == whole  # the third sample generated again (greedy: the same line)
     log.write_text(whole.rstrip("\n"))  # killed just before the last newline
     evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
     assert log.read_text() == whole
-    first = json.loads(lines[0])
+    first = json.loads(lines[1])
     first["output"] += "\u2028\x85"  # line separators JSON leaves unescaped
-    log.write_text(json.dumps(first, ensure_ascii=False) + "\n" + "".join(lines[1:]))
+    log.write_text(lines[0] + json.dumps(first, ensure_ascii=False) + "\n" + "".join(lines[2:]))
     evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
-    assert log.read_text().count("\n") == 3  # read as three records: nothing regenerated
-    log.write_text(lines[0][:25] + "\n" + "".join(lines[1:]))  # damage in the middle
-    with pytest.raises(KvshareError, match="line 1 is not a JSON record"):
+    assert log.read_text().count("\n") == 4  # read as header + three records: nothing regenerated
+    log.write_text(lines[0] + lines[1][:25] + "\n" + "".join(lines[2:]))  # damage in the middle
+    with pytest.raises(KvshareError, match="line 2 is not a JSON record"):
         evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
+    log.write_text(lines[0] + "".join(lines[1:]) + lines[0])  # two logs joined
+    with pytest.raises(KvshareError, match="line 5 is a second header"):
+        evaluate_gsm8k(base, None, tmp_path, limit=3, max_tokens=8)
+
+
+def test_a_rerun_with_other_settings_is_refused_and_overwrite_recomputes(tiny_models, tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    base, out = str(tiny_models("llama")), tmp_path / "run"
+    settings = {"limit": 2, "shots": 1, "max_tokens": 8}
+    first = evaluate_gsm8k(base, None, out, **settings)
+    log = out / "samples.jsonl"
+    header = json.loads(log.read_text().split("\n")[0])
+    assert header["settings"]["sampling"]["max_tokens"] == 8 and header["settings"]["shots"] == 1
+    assert header["settings"]["base_fingerprint"].startswith("sha256:") and "limit" not in header["settings"]
+    assert first["settings_hash"] == header["settings_hash"]  # results.json names the same run
+    before = log.read_text()
+    for change, named in (({"max_tokens": 9}, "sampling.max_tokens 8 -> 9"), ({"shots": 0}, "shots 1 -> 0"),
+                          ({"prompt_format": "plain"}, "prompt_format chat -> plain")):
+        with pytest.raises(KvshareError, match=re.escape(named) + ".*--overwrite"):
+            evaluate_gsm8k(base, None, out, **{**settings, **change})
+    with pytest.raises(KvshareError, match="base_fingerprint sha256:"):  # another model, same tokenizer
+        evaluate_gsm8k(str(tiny_models("llama", seed=1)), None, out, **settings)
+    assert log.read_text() == before  # refusals touch nothing
+    assert evaluate_gsm8k(base, None, out, **settings) == first and log.read_text() == before  # same: resumes
+
+    argv = ["eval", "gsm8k", "--model", base, "--limit", "2", "--shots", "1", "--out", out]
+    assert_one_line_error(cli(*argv, "--max-tokens", "9"), "sampling.max_tokens 8 -> 9", "--overwrite")
+    (out / "evalplus.jsonl").write_text("{}\n")  # a cache computed from the old samples
+    assert cli(*argv, "--max-tokens", "9", "--overwrite").code == 0
+    header = json.loads(log.read_text().split("\n")[0])
+    assert header["settings"]["sampling"]["max_tokens"] == 9 and len(log.read_text().splitlines()) == 1 + 2
+    assert json.loads((out / "results.json").read_text())["settings_hash"] == header["settings_hash"]
+    assert not (out / "evalplus.jsonl").exists()
+    # --overwrite with the same settings generates every sample again
+    lines = log.read_text().splitlines(keepends=True)
+    tampered = {**json.loads(lines[1]), "output": "tampered"}
+    log.write_text(lines[0] + json.dumps(tampered) + "\n" + lines[2])
+    assert cli(*argv, "--max-tokens", "9", "--overwrite").code == 0
+    assert log.read_text() == "".join(lines)
+
+    # a log from before headers: its settings are unknown, so it is refused, not trusted
+    log.write_text("".join(lines[1:]))
+    with pytest.raises(KvshareError, match="no settings header.*--overwrite"):
+        evaluate_gsm8k(base, None, out, **{**settings, "max_tokens": 9})
+    assert evaluate_gsm8k(base, None, out, **{**settings, "max_tokens": 9}, overwrite=True)["strict-match"]["n"] == 2
+    assert log.read_text() == "".join(lines)
+
+
+def test_an_adapter_retrained_under_the_same_name_is_not_resumed(tiny_models, tmp_path):
+    """Identity is the adapter's content digest: new weights in the same folder under the same
+    name are another run; the same weights in another folder are the same run."""
+    from kvshare.export import export_adapter
+    from kvshare.testing import make_peft_adapter
+
+    base = tiny_models("llama")
+    adapter, out = tmp_path / "adapter", tmp_path / "out"
+
+    def train(seed: int) -> None:
+        ckpt = make_peft_adapter(base, tmp_path / f"ckpt-{seed}", target_modules=["q_proj", "v_proj"], seed=seed)
+        export_adapter(ckpt, kind="lora", base=base, out=adapter, name="math", force=True)
+
+    train(0)
+    evaluate_gsm8k(str(base), str(adapter), out, limit=2, max_tokens=8)
+    shutil.copytree(adapter, tmp_path / "copy")
+    before = (out / "samples.jsonl").read_text()
+    train(1)
+    with pytest.raises(KvshareError, match="adapter_digest sha256:.* -> sha256:.*--overwrite"):
+        evaluate_gsm8k(str(base), str(adapter), out, limit=2, max_tokens=8)
+    evaluate_gsm8k(str(base), str(tmp_path / "copy"), out, limit=2, max_tokens=8)
+    assert (out / "samples.jsonl").read_text() == before  # the old weights elsewhere: resumed
 
 
 def test_f1_on_held_out_qa(tmp_path):

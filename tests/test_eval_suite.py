@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 
 pytest.importorskip("evalplus")
 
+from kvshare.errors import KvshareError  # noqa: E402
 from kvshare.eval.suite import SuiteSpec, run_suite  # noqa: E402
 from kvshare.export import export_adapter  # noqa: E402
 from kvshare.testing import ICARUS_TARGETS, make_peft_adapter, make_tiny_model  # noqa: E402
@@ -133,6 +135,40 @@ def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, t
     mixed = run_suite(tmp_path / "mixed.yaml", out)
     assert mixed["quality"]["rows"]["lora"]["GSM8K"] == first["quality"]["rows"]["lora"]["GSM8K"]
     assert mixed["quality"]["rows"]["lora"]["HotpotQA F1"] is None
+
+
+def test_a_run_of_another_adapter_under_the_same_name_is_not_merged_nor_resumed(suite, tmp_path):
+    """The math ICaRus specialist retrained in place (same folder, same name, new weights): its
+    earlier GSM8K score is not shown, its log is refused, and --overwrite recomputes it."""
+    spec = yaml.safe_load((suite / "suite.yaml").read_text())
+    adapter = tmp_path / "math-icarus"
+    shutil.copytree(spec["systems"]["icarus"]["math"], adapter)
+    math_only = {**spec, "cross": [], "base": False, "tasks": ["gsm8k"],
+                 "systems": {"icarus": {"math": str(adapter)}}}
+    (tmp_path / "math.yaml").write_text(yaml.safe_dump(math_only))
+    (tmp_path / "qa.yaml").write_text(yaml.safe_dump({**math_only, "tasks": ["f1-hotpotqa"]}))
+    out = tmp_path / "out"
+    first = run_suite(tmp_path / "math.yaml", out)
+    merged = run_suite(tmp_path / "qa.yaml", out)["quality"]
+    assert merged["rows"]["icarus"]["GSM8K"] == first["quality"]["rows"]["icarus"]["GSM8K"]
+    ckpt = make_peft_adapter(spec["model"], tmp_path / "ckpt", target_modules=ICARUS_TARGETS, seed=99)
+    export_adapter(ckpt, kind="icarus", base=spec["model"], out=adapter, name="math-icarus", force=True)
+    later = run_suite(tmp_path / "qa.yaml", out)
+    assert later["quality"]["rows"]["icarus"]["GSM8K"] is None
+    assert later["quality"]["from_earlier_runs"] == []
+    assert [r.split(" (")[0] for r in later["quality"]["not_merged"]] == ["math-icarus/gsm8k: other settings"]
+    assert "adapter_digest" in later["quality"]["not_merged"][0]
+    assert "math-icarus/gsm8k" in (out / "quality.md").read_text()
+    log = out / "samples" / "icarus" / "math-icarus" / "gsm8k" / "samples.jsonl"
+    before = log.read_text()
+    with pytest.raises(KvshareError, match="adapter_digest.*--overwrite"):
+        run_suite(tmp_path / "math.yaml", out)
+    assert log.read_text() == before
+    again = run_suite(tmp_path / "math.yaml", out, overwrite=True)
+    assert again["quality"]["rows"]["icarus"]["GSM8K"]["n"] == 2 and again["quality"]["not_merged"] == []
+    header = json.loads(log.read_text().split("\n")[0])
+    recorded = json.loads((log.parent / "results.json").read_text())
+    assert recorded["settings_hash"] == header["settings_hash"] != json.loads(before.split("\n")[0])["settings_hash"]
 
 
 def test_the_committed_quality_spec_is_valid():

@@ -12,6 +12,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from kvshare.eval.harness import logged_samples  # noqa: E402
 from kvshare.eval.lm_harness import TASKS_DIR, KvshareLM  # noqa: E402
 from kvshare.export import export_adapter  # noqa: E402
 from kvshare.testing import make_peft_adapter  # noqa: E402
@@ -78,7 +79,7 @@ def test_our_gsm8k_score_equals_lm_evals_through_the_kvshare_model(smollm2_dir, 
     theirs = lm_eval.simple_evaluate(model="kvshare", model_args=f"pretrained={smollm2_dir},max_gen_toks=96",
                                      tasks=["gsm8k_kvshare"], num_fewshot=shots, limit=limit, log_samples=True,
                                      task_manager=TaskManager(include_path=str(TASKS_DIR)))
-    samples = [json.loads(line) for line in (tmp_path / "ours" / "samples.jsonl").read_text().splitlines()]
+    samples = logged_samples(tmp_path / "ours" / "samples.jsonl")
     logged = sorted((s for s in theirs["samples"]["gsm8k_kvshare"] if s["filter"] == "strict-match"),
                     key=lambda s: s["doc_id"])  # lm-eval logs each sample once per filter
     assert len(logged) == len(samples) == limit
