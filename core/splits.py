@@ -5,9 +5,13 @@ Training loaders refuse every record listed here; the evaluation harnesses draw 
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from .errors import KvshareError
 from .paths import data_dir
@@ -64,3 +68,108 @@ def is_eval_record(source: str, record_id: str) -> bool:
     if source in ("gsm8k-test", "humaneval"):
         return True
     return False
+
+
+# --- content guard: catches evaluation records that arrive under another name ----------------
+
+SHINGLE = 13  # words of a question's head used to find it inside longer texts
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _eval_questions(folder: Path) -> Iterator[tuple[str, str | None, str]]:
+    """(eval set, record id or None, question text) for every local evaluation record."""
+    def jsonl(relative: str, opener=open):
+        path = folder / relative
+        if not path.is_file():
+            return []
+        with opener(path, "rt", encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    for row in jsonl("gsm8k/test.jsonl"):
+        yield "gsm8k test", None, row["question"]
+    for row in jsonl("hotpotqa/dev_hard_500.jsonl"):
+        yield "hotpotqa dev_hard_500", row["_id"], row["question"]
+    for row in jsonl("humanevalplus/HumanEvalPlus.jsonl.gz", gzip.open):
+        yield "humaneval", row["task_id"], row["prompt"]
+    for row in jsonl("mbpp/mbpp.jsonl"):
+        if int(row["task_id"]) not in MBPP_SPLITS["train"]:
+            yield "mbpp test/validation", None, row["text"]
+    squad = folder / "squad" / "dev-v1.1-small.json"
+    if squad.is_file():
+        data = json.loads(squad.read_text(encoding="utf-8"))
+        for article in data["data"] if isinstance(data, dict) else data:
+            if article["title"] in SQUAD_EVAL_TITLES:
+                for paragraph in article["paragraphs"]:
+                    for qa in paragraph["qas"]:
+                        yield "squad held-out articles", qa["id"], qa["question"]
+
+
+@dataclass(frozen=True)
+class EvalGuard:
+    """Index of evaluation records by id and by question text.
+
+    A training record matches when one of its ids is an evaluation id, or one of its texts
+    is or contains a whole evaluation question (case, punctuation and spacing ignored), so a
+    question wrapped in a template or a longer prompt is caught too. Partial overlaps are
+    not: near-duplicate phrasing is common in these sets and is not leakage.
+    """
+
+    ids: dict[str, str]
+    texts: dict[str, str]  # normalised question -> evaluation set
+    heads: dict[str, list[str]]  # first SHINGLE words -> the long questions starting so
+
+    def match(self, ids: Iterable[str] = (), texts: Iterable[str] = ()) -> str | None:
+        """The evaluation set a record belongs to, or None."""
+        for record_id in ids:
+            if record_id in self.ids:
+                return self.ids[record_id]
+        for text in texts:
+            words = _words(text)
+            joined = " ".join(words)
+            if joined in self.texts:
+                return self.texts[joined]
+            padded = f" {joined} "
+            for start in range(len(words) - SHINGLE + 1):
+                for question in self.heads.get(" ".join(words[start:start + SHINGLE]), ()):
+                    if f" {question} " in padded:
+                        return self.texts[question]
+        return None
+
+
+@lru_cache(maxsize=4)
+def eval_guard(folder: str | None = None) -> EvalGuard:
+    """The guard built from the local evaluation files (empty where they are absent)."""
+    root = Path(folder) if folder else data_dir()
+    ids: dict[str, str] = {}
+    texts: dict[str, str] = {}
+    heads: dict[str, list[str]] = {}
+    if root is not None and root.is_dir():
+        for name, record_id, question in _eval_questions(root):
+            if record_id:
+                ids[str(record_id)] = name
+            words = _words(question)
+            if words:
+                texts[" ".join(words)] = name
+            if len(words) >= SHINGLE:
+                heads.setdefault(" ".join(words[:SHINGLE]), []).append(" ".join(words))
+    return EvalGuard(ids, texts, heads)
+
+
+def eval_hub_splits(dataset: str, split: str) -> list[str]:
+    """The evaluation splits a Hub split expression reads (``test[:50%]``, ``train+test``).
+
+    The expression is parsed with ``datasets``' own grammar; one it cannot parse is an error,
+    since loading would fail on it too.
+    """
+    from datasets import ReadInstruction
+
+    try:
+        names = [r.splitname for r in ReadInstruction.from_spec(split)._relative_instructions]
+    except (ValueError, AssertionError, AttributeError) as err:
+        raise KvshareError(f"{dataset}: split {split!r} is not a split expression ({err})") from None
+    held_out = EVAL_HUB_SPLITS.get(dataset.lower(), set()) | EVAL_HUB_SPLITS.get(
+        dataset.lower().rsplit("/", 1)[-1], set())
+    return [name for name in names if name.lower() in held_out]

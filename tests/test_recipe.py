@@ -73,3 +73,14 @@ def test_missing_recipe_file_via_cli(cli, tmp_path):
     from conftest import assert_one_line_error
 
     assert_one_line_error(cli("train", tmp_path / "none.yaml"), "no such recipe file")
+
+
+def test_recipe_drift_names_the_keys_that_change_training(tmp_path):
+    from kvshare.train.recipe import recipe_drift
+
+    saved = load_recipe(write(tmp_path, BASE)).model_dump(mode="json")
+    same = load_recipe(write(tmp_path, BASE), ["train.log_every=1", "notes=moved", "output_dir=elsewhere"])
+    assert recipe_drift(saved, same) == []
+    changed = load_recipe(write(tmp_path, BASE), ["train.lr=1e-4", "adapter.rank=4",
+                                                  "data.sources=[{name: mbpp}]"])
+    assert recipe_drift(saved, changed) == ["adapter.rank", "data.sources.0.name", "train.lr"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import shutil
 
 import pytest
 
 from kvshare.errors import KvshareError
-from kvshare.splits import MBPP_SPLITS, SQUAD_EVAL_TITLES, hotpotqa_eval_ids
+from kvshare.splits import MBPP_SPLITS, SQUAD_EVAL_TITLES, eval_guard, eval_hub_splits, hotpotqa_eval_ids
 from kvshare.paths import data_dir
 from kvshare.train.data import LOADERS, load_file, load_hub, load_named
 
@@ -20,6 +22,7 @@ def data():
     return folder
 
 
+@pytest.mark.filterwarnings("ignore:.*evaluation data")
 @pytest.mark.parametrize("name", sorted(LOADERS))
 def test_every_loader_reads_its_local_copy(data, name):
     examples = load_named(name, limit=50)
@@ -37,8 +40,30 @@ def test_gsm8k_training_never_sees_a_test_question(data):
 
 
 def test_mbpp_training_uses_the_train_split_only(data):
-    ids = {int(e.id.split("/")[1]) for e in load_named("mbpp")}
-    assert ids == set(MBPP_SPLITS["train"])
+    with pytest.warns(UserWarning, match="dropped 4 records"):
+        examples = load_named("mbpp")
+    ids = {int(e.id.split("/")[1]) for e in examples}
+    assert ids < set(MBPP_SPLITS["train"])
+    # the four left out state, word for word, the task of a test or validation problem
+    def words(text):
+        return " " + " ".join(re.findall(r"\w+", text.lower())) + " "
+
+    with open(data / "mbpp/mbpp.jsonl") as handle:
+        rows = [json.loads(line) for line in handle]
+    held_out = [words(r["text"]) for r in rows if r["task_id"] not in MBPP_SPLITS["train"]]
+    dropped = [r for r in rows if r["task_id"] in MBPP_SPLITS["train"] and r["task_id"] not in ids]
+    assert len(dropped) == 4
+    assert all(any(h in words(r["text"]) for h in held_out) for r in dropped)
+
+
+def test_math_cot_copies_of_gsm8k_test_questions_are_dropped(data):
+    """math_data.json holds 1055 GSM8K test questions verbatim: they may not be trained on."""
+    with open(data / "gsm8k/test.jsonl") as handle:
+        test_questions = {json.loads(line)["question"].strip() for line in handle}
+    with pytest.warns(UserWarning, match="dropped 1055 records .*gsm8k test"):
+        examples = load_named("math_cot")
+    assert len(examples) == 3260 - 1055
+    assert not test_questions & {e.prompt for e in examples}
 
 
 def test_hotpotqa_training_excludes_every_held_out_question(data):
@@ -56,7 +81,8 @@ def test_squad_training_excludes_the_held_out_articles(data):
 def test_no_training_prompt_is_a_humaneval_prompt(data):
     with gzip.open(data / "humanevalplus/HumanEvalPlus.jsonl.gz", "rt") as handle:
         prompts = {json.loads(line)["prompt"].strip() for line in handle}
-    code = load_named("mbpp") + load_named("code_alpaca")
+    with pytest.warns(UserWarning, match="mbpp: dropped"):
+        code = load_named("mbpp") + load_named("code_alpaca")
     assert not prompts & {e.prompt.strip() for e in code}
 
 
@@ -76,3 +102,54 @@ def test_evaluation_hub_splits_are_refused_before_any_download(dataset, split):
 def test_unknown_loader():
     with pytest.raises(KvshareError, match="unknown data set"):
         load_named("imagenet")
+
+
+def test_a_renamed_copy_of_an_evaluation_file_is_refused(data, tmp_path):
+    copy = tmp_path / "my_multihop_train.jsonl"
+    shutil.copyfile(data / "hotpotqa/dev_hard_500.jsonl", copy)
+    with pytest.raises(KvshareError, match="evaluation data .hotpotqa dev_hard_500"):
+        load_file(copy, "question", "answer")
+
+
+def test_evaluation_records_mixed_into_a_file_are_dropped(data, tmp_path):
+    """Caught by question text inside a template, by id alone, in any field: whatever the name."""
+    with open(data / "gsm8k/test.jsonl") as handle:
+        gsm8k = [json.loads(line) for line in handle][:3]
+    with open(data / "hotpotqa/dev_hard_500.jsonl") as handle:
+        hotpot = [json.loads(line) for line in handle][:2]
+    own = [{"q": f"What is {i} plus one?", "a": f"{i + 1}."} for i in range(4)]
+    rows = ([{"q": f"Question: {r['question']}\nAnswer step by step.", "a": r["answer"]} for r in gsm8k]
+            + [{"id": r["_id"], "q": "reworded beyond recognition", "a": r["answer"]} for r in hotpot]
+            + [{"q": "Solve it.", "a": "42", "source": gsm8k[0]["question"].upper()}] + own)
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="dropped 6 records .*4 from gsm8k test, 2 from hotpotqa"):
+        examples = load_file(path, "q", "a")
+    assert [e.prompt for e in examples] == [r["q"] for r in own]
+    with pytest.warns(UserWarning):
+        assert len(load_file(path, "q", "a", limit=2)) == 2  # the limit counts kept records
+
+
+@pytest.mark.parametrize("split", ["test[:50%]", "test[10:20]", "train+test", "train[:5%]+test[:5]"])
+def test_split_expressions_reading_an_evaluation_split_are_refused(split):
+    with pytest.raises(KvshareError, match="reads test, which is evaluation data"):
+        load_hub("openai/gsm8k", split, "question", "answer")
+
+
+def test_split_expressions_are_parsed_not_matched_as_text():
+    assert eval_hub_splits("openai/gsm8k", "train[:10%]") == []
+    assert eval_hub_splits("OpenAI/GSM8K", "train+test[:1%]") == ["test"]
+    assert eval_hub_splits("google-research-datasets/mbpp", "validation+prompt") == ["validation", "prompt"]
+    with pytest.raises(KvshareError, match="not a split expression"):
+        eval_hub_splits("openai/gsm8k", "test[[")
+
+
+def test_the_guard_ignores_a_shared_phrase(data):
+    """Near-duplicate phrasing is no leak: only a whole question (or an id) matches."""
+    guard = eval_guard(str(data))
+    with open(data / "gsm8k/test.jsonl") as handle:
+        question = json.loads(handle.readline())["question"]
+    words = question.split()
+    assert guard.match(texts=[question]) == "gsm8k test"
+    assert guard.match(texts=[" ".join(words[:-3])]) is None
+    assert guard.match(texts=["Intro. " + question + " Explain."]) == "gsm8k test"

@@ -14,7 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="override recipe fields, e.g. train.lr=1e-4 train.max_steps=20")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in output_dir from its latest checkpoint")
+                        help="continue the run in output_dir from its newest intact checkpoint; "
+                        "refused if the recipe changed since")
+    parser.add_argument("--force-resume", action="store_true",
+                        help="like --resume, but go on even if the recipe changed (e.g. a longer "
+                        "train.max_steps); the changed keys are printed as a warning")
     parser.add_argument("--stop-after", type=int, metavar="STEPS",
                         help="stop (resumably) after this many optimizer steps")
 
@@ -24,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from .trainer import train
 
     recipe = load_recipe(args.recipe, args.overrides)
-    summary = train(recipe, recipe_path=args.recipe, resume=args.resume, stop_after=args.stop_after)
+    summary = train(recipe, recipe_path=args.recipe, resume=args.resume,
+                    force_resume=args.force_resume, stop_after=args.stop_after)
     if summary.get("adapter"):
         print(json.dumps({k: summary[k] for k in ("name", "kind", "steps", "final_loss",
                                                    "seconds_per_step", "adapter")}, indent=1))

@@ -2,21 +2,27 @@
 
 Each loader yields :class:`Example` (prompt text and response text, plus a stable id).
 Files come from ``$KVSHARE_DATA`` (default ``../shared/data``); without them a loader reads
-the same data from the Hub by name. No evaluation record ever reaches training: every loader
-passes its ids through :func:`kvshare.splits.is_eval_record`, and files that are wholly
-evaluation data are refused by name.
+the same data from the Hub by name. No evaluation record ever reaches training: named loaders
+pass their ids through :func:`kvshare.splits.is_eval_record`, evaluation files and Hub splits
+(split expressions included) are refused by name, and every record of every source is checked
+by id and question text against :func:`kvshare.splits.eval_guard`, which catches copies under
+another name: such records are dropped with a warning, a source made only of them is refused.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import KvshareError
 from ..paths import data_dir
-from ..splits import EVAL_FILES, EVAL_HUB_SPLITS, MBPP_SPLITS, SQUAD_TRAIN_TITLES, is_eval_record
+from ..splits import (EVAL_FILES, MBPP_SPLITS, SQUAD_TRAIN_TITLES, eval_guard, eval_hub_splits,
+                      is_eval_record)
+
+_ID_KEYS = ("id", "_id", "task_id", "qid", "question_id")
 
 
 @dataclass(frozen=True)
@@ -127,14 +133,10 @@ def load_named(name: str, limit: int | None = None) -> list[Example]:
     else:
         raise KvshareError(f"data set {name!r} needs {loader.local} under KVSHARE_DATA "
                            f"(looked in {folder}); it has no Hub fallback")
-    examples = []
-    for record_id, prompt, response in loader.parse(rows):
-        if is_eval_record(name, record_id):
-            continue  # held out for evaluation
-        examples.append(Example(f"{name}/{record_id}", prompt, response))
-        if limit is not None and len(examples) >= limit:
-            break
-    return examples
+    examples = ((Example(f"{name}/{record_id}", prompt, response), (record_id,), ())
+                for record_id, prompt, response in loader.parse(rows)
+                if not is_eval_record(name, record_id))  # held out for evaluation
+    return _guarded(name, examples, limit)
 
 
 def load_file(path: str | Path, prompt_field: str, response_field: str,
@@ -156,22 +158,51 @@ def load_file(path: str | Path, prompt_field: str, response_field: str,
 
 def load_hub(dataset: str, split: str, prompt_field: str, response_field: str,
              config: str | None = None, limit: int | None = None) -> list[Example]:
-    if split in EVAL_HUB_SPLITS.get(dataset, set()):
-        raise KvshareError(f"{dataset} split {split!r} is evaluation data; it may not be trained on")
+    held_out = eval_hub_splits(dataset, split)
+    if held_out:
+        raise KvshareError(f"{dataset} split {split!r} reads {' and '.join(held_out)}, which is "
+                           "evaluation data; it may not be trained on")
     return _field_examples(dataset, _hub_rows(dataset, config, split), prompt_field,
                            response_field, limit)
 
 
 def _field_examples(source: str, rows, prompt_field: str, response_field: str,
                     limit: int | None) -> list[Example]:
-    examples = []
-    for i, row in enumerate(rows):
-        if prompt_field not in row or response_field not in row:
-            raise KvshareError(f"{source}: record {i} lacks field {prompt_field!r} or {response_field!r}")
-        examples.append(Example(f"{source}/{i}", str(row[prompt_field]), str(row[response_field])))
-        if limit is not None and len(examples) >= limit:
-            break
-    return examples
+    def examples():
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or prompt_field not in row or response_field not in row:
+                raise KvshareError(f"{source}: record {i} lacks field {prompt_field!r} or {response_field!r}")
+            ids = tuple(str(row[k]) for k in _ID_KEYS if isinstance(row.get(k), (str, int)))
+            texts = tuple(v for v in row.values() if isinstance(v, str))
+            yield Example(f"{source}/{i}", str(row[prompt_field]), str(row[response_field])), ids, texts
+
+    return _guarded(source, examples(), limit)
+
+
+def _guarded(source: str, records: Iterable[tuple[Example, tuple, tuple]],
+             limit: int | None) -> list[Example]:
+    """Examples that match no evaluation record, up to ``limit``; see the module docstring.
+
+    ``records`` holds (example, the record's ids, its other texts) triples.
+    """
+    guard = eval_guard(str(data_dir()) if data_dir() else None)
+    kept: list[Example] = []
+    dropped: dict[str, int] = {}
+    for example, ids, texts in records:
+        hit = guard.match(ids, (example.prompt, *texts))
+        if hit:
+            dropped[hit] = dropped.get(hit, 0) + 1
+        else:
+            kept.append(example)
+            if limit is not None and len(kept) >= limit:
+                break
+    if dropped and not kept:
+        raise KvshareError(f"{source} is evaluation data ({', '.join(sorted(dropped))}); "
+                           "it may not be trained on")
+    if dropped:
+        warnings.warn(f"{source}: dropped {sum(dropped.values())} records that are evaluation data "
+                      f"({', '.join(f'{n} from {s}' for s, n in sorted(dropped.items()))})", stacklevel=3)
+    return kept
 
 
 def _hub_rows(dataset: str, config: str | None, split: str):

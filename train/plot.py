@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import KvshareError
+from . import metrics
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise KvshareError(f"{run_dir}: no metrics.jsonl (is it a training output folder?)")
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as err:
-        raise KvshareError(f"{path}: malformed line ({err})") from None
+    return metrics.read_metrics(path)
 
 
 def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:

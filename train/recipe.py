@@ -122,3 +122,27 @@ class Recipe(_Strict):
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem is one clear KvshareError."""
     return load_spec(path, Recipe, "recipe", overrides)
+
+
+# Keys that may change between a run and its resumption: they do not alter what is trained.
+RESUME_FREE_KEYS = ("notes", "output_dir", "train.log_every", "train.save_every")
+
+
+def recipe_drift(saved: dict, recipe: Recipe) -> list[str]:
+    """Dotted keys whose values differ between a run's stored recipe and ``recipe``."""
+    old, new = _flatten(saved), _flatten(recipe.model_dump(mode="json"))
+    return sorted(k for k in old.keys() | new.keys()
+                  if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS))
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {prefix: value}
+    out: dict = {}
+    for key, inner in items:
+        out.update(_flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
+    return out

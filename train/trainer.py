@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import random
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import KvshareError
+from ..fsutil import write_text_atomic
 from ..hardware import resolve_mixed_precision, warn_if_bf16_is_slow
 from ..models import resolve_model_dir
 from ..kinds import kind_spec
@@ -27,7 +28,9 @@ from . import checkpoint as ckpt
 from .collate import collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
 from .icarus import enable_icarus_attention, icarus_forward
-from .recipe import Recipe
+from .metrics import truncate_metrics
+from .recipe import Recipe, recipe_drift
+from .rng import save_rng
 
 
 def load_examples(recipe: Recipe) -> list[Example]:
@@ -91,16 +94,38 @@ def lora_digest(model) -> str:
     digest = hashlib.sha256()
     for name, value in sorted(ckpt.lora_state(model).items()):
         digest.update(name.encode())
-        digest.update(value.float().numpy().tobytes())
+        digest.update(value.float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
+def resume_point(recipe: Recipe, run_dir: Path, *, force: bool = False, warn: bool = True) -> Path:
+    """The checkpoint to resume from: the newest intact one, trained with this recipe.
+
+    Broken newer checkpoints are skipped with a warning; a recipe that differs from the
+    checkpoint's in keys that change training is refused unless ``force``.
+    """
+    folder, skipped = ckpt.pick_checkpoint(run_dir)
+    for bad, reason in skipped if warn else ():
+        warnings.warn(f"skipping checkpoint {bad} ({reason}); resuming from {folder.name}", stacklevel=2)
+    try:
+        drift = recipe_drift(ckpt.saved_recipe(folder), recipe)
+    except (OSError, ValueError) as err:
+        raise KvshareError(f"{folder}: unreadable recipe.json ({err})") from None
+    if drift and not force:
+        raise KvshareError(f"--resume: the recipe differs from the one {folder} was trained with "
+                           f"in {', '.join(drift)}; restore it, or pass --force-resume to go on anyway")
+    if drift and warn:
+        warnings.warn(f"--force-resume: resuming {folder} with a changed recipe ({', '.join(drift)})",
+                      stacklevel=2)
+    return folder
+
+
 def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
-          stop_after: int | None = None) -> dict:
+          force_resume: bool = False, stop_after: int | None = None) -> dict:
     """Run a recipe to the end (or to ``stop_after`` steps); return the run summary.
 
     The summary is also written to ``output_dir/summary.json``; the adapter is exported with
-    its manifest to ``output_dir/adapter``.
+    its manifest to ``output_dir/adapter``. ``force_resume`` resumes even if the recipe changed.
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -117,6 +142,8 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     main = accel.is_main_process
     run_dir = Path(recipe.output_dir)
+    resume = resume or force_resume
+    resume_from = resume_point(recipe, run_dir, force=force_resume, warn=main) if resume else None
     if not resume and (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
         raise KvshareError(f"{run_dir} already holds a run; pass --resume to continue it "
                            "or choose another output_dir")
@@ -142,17 +169,15 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     model, optimizer = accel.prepare(model, optimizer)
 
     state = {"step": 0, "epoch": 0, "micro": 0, "tokens": 0, "seconds": 0.0}
-    if resume:
-        found = ckpt.latest_checkpoint(run_dir)
-        if found is None:
-            raise KvshareError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        state = ckpt.load_checkpoint(found, model=peft_model, optimizer=optimizer,
-                                     scheduler=scheduler, rank=rank)
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model=peft_model, optimizer=optimizer,
+                                     scheduler=scheduler, rank=rank, processes=world)
     metrics_path = run_dir / "metrics.jsonl"
+    resolved = recipe.model_dump(mode="json")
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(metrics_path, state["step"])
-        (run_dir / "recipe.resolved.json").write_text(recipe.model_dump_json(indent=1))
+        truncate_metrics(metrics_path, state["step"])
+        write_text_atomic(run_dir / "recipe.resolved.json", json.dumps(resolved, indent=1))
 
     def forward(batch):
         if kind_spec(recipe.adapter.kind).base_kv_only:
@@ -216,7 +241,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         bar.update(1)
         if state["step"] % tp.save_every == 0 or state["step"] == limit:
             state["seconds"] = time.perf_counter() - started
-            _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank)
+            _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank, resolved)
     bar.close()
 
     digests = accel.gather_for_metrics([lora_digest(peft_model)], use_gather_object=True)
@@ -235,22 +260,23 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
             raise KvshareError(f"DDP ranks ended with different adapter weights: {digests}")
         if summary["finished"]:
             summary["adapter"] = str(_export(recipe, recipe_path, peft_model, run_dir, base_dir, summary))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
     accel.wait_for_everyone()
     accel.end_training()
     return summary
 
 
-def _save(run_dir: Path, accel, peft_model, optimizer, scheduler, state: dict, rank: int) -> None:
+def _save(run_dir: Path, accel, peft_model, optimizer, scheduler, state: dict, rank: int,
+          recipe: dict) -> None:
     rng_dir = run_dir / ".rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.save_rng(rng_dir / f"rank-{rank}.safetensors")
+    save_rng(rng_dir / f"rank-{rank}.safetensors")
     accel.wait_for_everyone()
     if accel.is_main_process:
         files = {r: rng_dir / f"rank-{r}.safetensors" for r in range(accel.num_processes)}
         ckpt.save_checkpoint(run_dir / "checkpoints" / f"step-{state['step']}", model=peft_model,
                              optimizer=optimizer, scheduler=scheduler, trainer_state=dict(state),
-                             rng_files=files)
+                             rng_files=files, recipe=recipe)
     accel.wait_for_everyone()
 
 
@@ -265,14 +291,6 @@ def _export(recipe: Recipe, recipe_path, peft_model, run_dir: Path, base_dir: Pa
     return export_adapter(final, kind=recipe.adapter.kind, base=recipe.base_model,
                           out=run_dir / "adapter", name=recipe.name,
                           invocation=recipe.adapter.invocation, provenance=provenance, force=True)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, forget metrics logged after the checkpoint (they will be logged again)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 class _null:
