@@ -51,6 +51,7 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
 async def _team_run(engine, solver: str, checker: str, checker_invocation: list[int], contexts, turns: int,
                     max_tokens: int):
     from .serve.async_engine import AsyncEngine
+    from .serve.step_graph import StepGraph
     from .serve.workflow import Agent, EngineBackend, RoundRobin, Workflow
 
     runner = AsyncEngine(engine)
@@ -67,7 +68,8 @@ async def _team_run(engine, solver: str, checker: str, checker_invocation: list[
         flow = Workflow(i, backend, context, max_tokens=max_tokens)
         await flow.react(RoundRobin(agents), turns)
         prompt = flow.history + checker_invocation
-        await flow.call(Agent("checker", checker, "", tuple(checker_invocation)), prompt, [])
+        await flow.call(Agent("checker", checker, "", tuple(checker_invocation)), prompt,
+                        StepGraph.chain(["checker"]), {"n0"})  # the workflow's last call
         return flow
 
     watcher = asyncio.create_task(watch())

@@ -98,7 +98,7 @@ class AsyncEngine:
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
-            except Exception as err:  # a bug, not a user error: fail the batch, keep serving
+            except Exception as err:  # not one request's fault (the engine isolates those): fail all
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._streams):
                     self.engine.abort(request_id)
@@ -106,7 +106,9 @@ class AsyncEngine:
                 self._streams.clear()
                 return
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = out.finish_reason == "error"  # the engine failed this request alone
+                self._deliver(out.request_id, RuntimeError("engine failure while running this request "
+                                                           "(see the server log)") if failed else out)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
 
@@ -134,12 +136,16 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     # asyncio side ----------------------------------------------------------------------------
+    def has_room(self, n: int = 1) -> bool:
+        """Whether ``n`` more requests fit in the waiting queue now."""
+        return self.engine.num_waiting() + self._commands.qsize() + n <= self.max_waiting
+
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
                        hints: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
         if not self.alive():
             raise RuntimeError("the engine thread is not running")
-        if self.engine.num_waiting() + self._commands.qsize() >= self.max_waiting:
+        if not self.has_room():
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Mailbox()

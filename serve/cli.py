@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..errors import KvshareError
-from .config import add_engine_arguments, engine_config_from_args
+from .config import add_engine_arguments, add_server_arguments, engine_config_from_args, server_limits_from_args
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -20,7 +20,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvshare: warning: serving on {args.host} without an API key: anyone who can reach "
               "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
-          config=engine_config_from_args(args))
+          config=engine_config_from_args(args), limits=server_limits_from_args(args))
     return 0
 
 
@@ -37,5 +37,6 @@ def register(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set KVSHARE_API_KEY, "
                    "which other users cannot read from the process list)")
     add_engine_arguments(p)
+    add_server_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

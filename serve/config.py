@@ -24,7 +24,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "torch"  # kernel backend for every operation
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
+    host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
+    host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
+    prefetch_steps: int = 0  # load back the fixed prompts of agents due within this many steps
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -34,6 +37,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise KvshareError(f"{name} must be at least 1")
+        if self.host_cache_tokens < 0 or self.prefetch_steps < 0:
+            raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
+        if not self.host_bandwidth_gbps > 0:
+            raise KvshareError("host_bandwidth_gbps must be positive")
 
     def updated(self, **overrides) -> EngineConfig:
         """A copy with ``overrides`` applied (unknown names are a clear error)."""
@@ -55,10 +62,53 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
     g.add_argument("--kernels", default="torch", help="kernel backend (default: torch references)")
+    g.add_argument("--eviction-policy", choices=["lru", "step"], default="lru",
+                   help="which idle cached KV goes first: lru, or step (KVFlow: agents due last go first)")
+    g.add_argument("--host-cache-tokens", type=int, default=0,
+                   help="host KV tier: evicted KV waits here to be loaded back (default 0: none)")
+    g.add_argument("--host-bandwidth-gbps", type=float, default=25.0,
+                   help="simulated host<->device copy rate on CPU, GB/s (default 25: about PCIe 4.0 x16)")
+    g.add_argument("--prefetch-steps", type=int, default=0,
+                   help="load back the fixed prompts of agents due within this many steps (default 0: off)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        kernels=args.kernels)
+                        kernels=args.kernels, eviction_policy=args.eviction_policy,
+                        host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
+                        prefetch_steps=args.prefetch_steps)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one HTTP request may ask of ``kvshare serve``, so that no single request can cost
+    the server more than its share; past a limit the request is refused with a clear 4xx
+    (vLLM's name where vLLM has the limit)."""
+
+    max_request_bytes: int = 8 * 2**20  # request body; larger is 413, refused before it is parsed
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_logprobs: int = 20  # logprobs / top_logprobs alternatives per token (vLLM: max_logprobs)
+    max_stop_sequences: int = 16  # entries of ``stop``
+    max_stop_length: int = 1024  # characters of one stop string
+    max_hints_bytes: int = 64 * 2**10  # ``kvshare_hints`` as JSON
+    max_hints_depth: int = 8  # nesting of ``kvshare_hints`` (objects and lists)
+    max_waiting: int = 256  # requests queued for the engine: more is 503; a larger batch is 400
+
+    def __post_init__(self):
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise KvshareError(f"{f.name} must be at least 1")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvshare serve``'s per-request limits (see :class:`ServerLimits`)."""
+    g = parser.add_argument_group("request limits")
+    for f in fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                       help=f"(default {f.default})")
+
+
+def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})

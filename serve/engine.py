@@ -13,6 +13,7 @@ use only the methods here, never the cache or scheduler.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -25,8 +26,10 @@ from ..hardware import warn_if_bf16_is_slow
 from ..kernels import Kernels
 from ..models import load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
-from .cache import BlockManager, make_policy
+from .batch import StepPlan
+from .cache import AgentTable, BlockManager, HostTier, make_policy
 from .config import EngineConfig
+from .hints import AgentHints
 from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
 from .sampling import SamplingParams
@@ -34,6 +37,8 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "EngineConfig"]
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -58,14 +63,20 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or int(
             getattr(self.runner.model.config, "max_position_embeddings", 4096))
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self._agents = AgentTable()
+        tier = None
+        if config.host_cache_tokens:
+            tier = HostTier(self.runner.kv_cache, max(1, config.host_cache_tokens // config.block_size),
+                            config.host_bandwidth_gbps)
         self._blocks = BlockManager(self.runner.num_blocks, config.block_size, self.fingerprint,
-                                    policy=make_policy(config.eviction_policy))
+                                    policy=make_policy(config.eviction_policy), agents=self._agents,
+                                    host_tier=tier)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
         for path in adapters:
             self._adapters.load(path)
         self.sequences: dict[str, Sequence] = {}
-        self.hints_log: deque[tuple[str, dict]] = deque(maxlen=1024)  # recent requests' hints
+        self.hints_log: deque[tuple[str, AgentHints]] = deque(maxlen=1024)  # recent requests' hints
         self._ids = itertools.count()
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0}
@@ -102,10 +113,12 @@ class LLMEngine:
     # requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    hints: dict | None = None) -> str:
-        """Queue a request. ``hints`` (e.g. which agents run next) are recorded with it for
-        cache policies that look ahead; the current LRU policy does not use them."""
+                    hints: dict | AgentHints | None = None) -> str:
+        """Queue a request. ``hints`` (:class:`AgentHints` or its dict form: workflow and agent
+        ids, the agent's fixed-prompt length, the steps to the other agents' next calls) feed
+        the step-aware eviction policy and the prefetcher; other policies ignore them."""
         params = params or SamplingParams()
+        hints = hints if isinstance(hints, AgentHints) else AgentHints.parse(hints)
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise KvshareError("the prompt is empty")
@@ -122,7 +135,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, tokens, params, hints=dict(hints or {}))
+        seq = Sequence(request_id, tokens, params, hints=hints)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(tokens)
@@ -136,6 +149,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.sequences[request_id] = seq
+        seq.agent = self._agents.on_request(hints)
         self._scheduler.add(seq)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(tokens)
@@ -146,6 +160,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._scheduler.finish(seq, "abort")
+        self._agents.on_finish(seq.agent)
         self.counters["aborted"] += 1
         return True
 
@@ -154,43 +169,99 @@ class LLMEngine:
 
     # one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return outputs of requests that produced a token."""
+        """Run one forward pass; return outputs of requests that produced a token.
+
+        A failure is pinned on the requests it belongs to: if the batch fails, its halves are
+        retried (bisection), and only a sequence whose step fails alone is failed (finish
+        reason ``"error"``); the others go on unchanged. A failed run changes no sequence
+        (progress is recorded only after the model ran; seeded generators are rewound)."""
+        self._blocks.poll_loads()  # blocks back from the host tier
+        if self.config.prefetch_steps:
+            self._blocks.prefetch(self.config.prefetch_steps, reserve=self._blocks_still_needed())
         plans = self._scheduler.schedule()
         if not plans:
+            self._blocks.wait_for_loads(0.05)  # only loads can make progress now: do not spin
             return []
-        batch, tokens, records = self.runner.run(plans, self._adapters.lookup)
+        runs, failed = self._run_isolating(plans)
         self.counters["steps"] += 1
-        now, sampled, samples = time.perf_counter(), [], iter(tokens)
-        for row, (index, position) in enumerate(batch.targets):
-            seq = plans[index].seq
-            if position is not None:  # a prompt position scored for prompt_logprobs
-                seq.prompt_logprobs[position + 1] = records[row]
-                seq.scored = max(seq.scored, position + 1)
-                continue
-            token = next(samples)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(records[row])
-            seq.token_times.append(now)
-            seq.first_token = seq.first_token or now
-            sampled.append((seq, token))
+        now, sampled = time.perf_counter(), []
+        for group, (batch, tokens, records) in runs:
+            samples = iter(tokens)
+            for row, (index, position) in enumerate(batch.targets):
+                seq = group[index].seq
+                if position is not None:  # a prompt position scored for prompt_logprobs
+                    seq.prompt_logprobs[position + 1] = records[row]
+                    seq.scored = max(seq.scored, position + 1)
+                    continue
+                token = next(samples)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(records[row])
+                seq.token_times.append(now)
+                seq.first_token = seq.first_token or now
+                sampled.append((seq, token))
         texts: dict[str, str] = {}
 
         def finish(seq: Sequence) -> str | None:
-            new_text = seq.detokenizer.update(seq.output)
-            reason, cut = stop_reason(seq, self.tokenizer.eos_token_id, self.max_model_len, new_text)
-            if reason is not None:
-                seq.detokenizer.flush(seq.output)
+            try:
+                new_text = seq.detokenizer.update(seq.output)
+                reason, cut = stop_reason(seq, self.tokenizer.eos_token_id, self.max_model_len, new_text)
+                if reason is not None:
+                    seq.detokenizer.flush(seq.output)
+            except Exception:  # this request's text alone: fail it, not the step
+                logger.exception("request %s: detokenising failed; failing the request", seq.request_id)
+                reason, cut = "error", None
             texts[seq.request_id] = seq.detokenizer.text[:cut]
             return reason
 
-        outputs = []
-        for seq in self._scheduler.postprocess(plans, sampled, finish):
+        ran = [plan for group, _ in runs for plan in group]
+        outputs = [self._fail(plan.seq) for plan in failed]
+        for seq in self._scheduler.postprocess(ran, sampled, finish):
             if seq.status is Status.FINISHED:
                 self.sequences.pop(seq.request_id, None)
-                self.counters["finished"] += 1
+                self._agents.on_finish(seq.agent)
+                key = "failed" if seq.finish_reason == "error" else "finished"
+                self.counters[key] = self.counters.get(key, 0) + 1
             outputs.append(make_output(seq, texts[seq.request_id]))
         self.counters["generated_tokens"] += len(sampled)
         return outputs
+
+    def _run_isolating(self, plans: list[StepPlan]) -> tuple[list[tuple[list[StepPlan], tuple]], list[StepPlan]]:
+        """Run ``plans``; on failure bisect them. Returns the groups that ran with their results,
+        and the plans whose step failed alone."""
+        runs, failed, todo = [], [], [plans]
+        while todo:
+            group = todo.pop()
+            states = {id(p.seq.generator): p.seq.generator.get_state() for p in group if p.seq.generator is not None}
+            try:
+                runs.append((group, self.runner.run(group, self._adapters.lookup)))
+            except Exception:
+                for plan in group:  # the failed run may have drawn from seeded generators
+                    if plan.seq.generator is not None:
+                        plan.seq.generator.set_state(states[id(plan.seq.generator)])
+                if len(group) == 1:
+                    logger.exception("request %s: its step failed alone; failing the request",
+                                     group[0].seq.request_id)
+                    failed.append(group[0])
+                else:
+                    logger.warning("a step of %d sequences failed; retrying it in halves", len(group))
+                    half = len(group) // 2
+                    todo += [group[half:], group[:half]]
+        return runs, failed
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        """End ``seq`` with finish reason ``"error"`` and free its blocks."""
+        self._scheduler.finish(seq, "error")
+        self.sequences.pop(seq.request_id, None)
+        self._agents.on_finish(seq.agent)
+        self.counters["failed"] = self.counters.get("failed", 0) + 1
+        return make_output(seq, seq.detokenizer.text)
+
+    def _blocks_still_needed(self) -> int:
+        """Blocks the requests in flight may still take (to their max_tokens): prefetches
+        leave them free."""
+        need = self._blocks.blocks_needed
+        return sum(max(0, need(len(s.prompt) + s.params.max_tokens) - len(s.block_table))
+                   for s in self.sequences.values())
 
     # what callers may ask ----------------------------------------------------------------------
     @property
@@ -225,9 +296,20 @@ class LLMEngine:
             **self.counters, **self._blocks.usage(),
             "prefix_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
             "prefix_hit_tokens": cache.hit_tokens, "evictions": cache.evictions,
-            "preemptions": self._scheduler.preemptions,
+            "preemptions": self._scheduler.preemptions, **self.host_tier_stats(),
             "waiting": self.num_waiting(), "running": self.num_running(),
         }
+
+
+    def host_tier_stats(self) -> dict:
+        """Blocks and bytes the host tier moved, and how much of the prompts it served."""
+        tier = self._blocks.tier
+        if tier is None:
+            return {}
+        return {"host_" + k: v for k, v in vars(tier.stats).items()} | {
+            "host_hit_tokens": self._blocks.stats.host_hit_tokens,
+            "host_blocks_total": tier.num_blocks, "host_blocks_used": len(tier.index),
+            "host_loads_in_flight": self._blocks.loads_in_flight()}
 
 
 class LLM:

@@ -100,6 +100,7 @@ def request_metrics(seq: Sequence) -> dict:
         "prompt_tokens_cached": seq.num_cached_prompt,
         "prompt_tokens_computed": len(seq.prompt) - seq.num_cached_prompt,
         "preemptions": seq.preemptions,
+        "load_wait_time": seq.load_wait_s,  # waiting for its prefix to come back from the host tier
     }
 
 

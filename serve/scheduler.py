@@ -2,7 +2,8 @@
 
 Every step walks the running sequences oldest first and gives each the tokens it still
 needs (one for a decoding sequence, a chunk of its prompt for a prefilling one) until the
-step's token budget is spent, then admits waiting sequences in arrival order. When the KV
+step's token budget is spent, then admits waiting sequences in arrival order (a sequence whose prefix is still loading
+back from the host tier is skipped, not waited for). When the KV
 pool cannot hold a sequence's next token, the newest running sequence is preempted: its
 blocks are released and it waits at the front of the queue to be recomputed, so no one
 starves and outputs are unchanged.
@@ -20,7 +21,7 @@ from collections import deque
 from typing import Callable
 
 from .batch import StepPlan, plan_step
-from .cache import BlockManager, OutOfBlocks, PrefixPending
+from .cache import BlockManager, OutOfBlocks, PrefixLoading, PrefixPending
 from .sequence import Sequence, Status
 
 
@@ -41,7 +42,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table:
+        if seq.block_table or seq.pinned:
             self.blocks.free(seq)
 
     def has_work(self) -> bool:
@@ -99,18 +100,23 @@ class Scheduler:
                     self.blocks.ensure_capacity(seq, seq.num_computed + step.n_compute)
                     break
                 except OutOfBlocks:
+                    if self.blocks.release_pins():  # blocks held for requests waiting on loads
+                        continue
                     if not self._preempt_newest(keep=seq):
                         raise
                     plan = [p for p in plan if p.seq in self.running]
             plan.append(step)
             budget -= step.num_rows
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_seqs:
+                break
             try:
                 self.blocks.allocate(seq)
+            except PrefixLoading:
+                continue  # its prefix is coming back from the host tier: let the next one run
             except (OutOfBlocks, PrefixPending):
-                break  # admit strictly in order: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # otherwise admit in order: nobody overtakes a request short of blocks
+            self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:

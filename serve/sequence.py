@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from ..kinds import BASE, KindSpec
+from .hints import AgentHints
 from .sampling import SamplingParams
 
 
@@ -45,7 +46,13 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     generator: torch.Generator | None = None
-    hints: dict = field(default_factory=dict)  # workflow hints, e.g. {"next_agents": [...]}
+    hints: AgentHints = field(default_factory=AgentHints)  # what its workflow said about the calls ahead
+    agent: tuple[str, str] | None = None  # (workflow, agent) when the hints name the agent
+    fixed_blocks: int | None = None  # leading full blocks of the agent's fixed prompt
+    loaded_blocks: int = 0  # prompt blocks loaded back from the host tier on its demand
+    pinned: list[int] = field(default_factory=list)  # its chain's blocks held while it waits for loads
+    load_wait_s: float = 0.0  # time it waited for them
+    waiting_on_loads_since: float | None = None
     detokenizer: object | None = None  # output.IncrementalDetokenizer, set by the engine
 
     @property

@@ -3,7 +3,9 @@
 ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (JSON or server-sent events),
 ``/health`` and ``/metrics`` (Prometheus text). The request's ``model`` names the base or a
 loaded adapter. Errors use OpenAI's JSON shape: 400 invalid or oversize input, 401 bad key,
-404 unknown model, 503 overloaded. With an aLoRA adapter, chat requests end with the
+404 unknown model, 413 body too large, 503 overloaded; every request is bounded by
+:class:`~.config.ServerLimits`, and tokenisation runs off the event loop, so one hostile
+request cannot stall or fail the others. With an aLoRA adapter, chat requests end with the
 adapter's invocation after the conversation, as the adapter was trained; completion prompts
 are taken as given (include the invocation to activate the adapter).
 
@@ -20,20 +22,24 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from ..errors import KvshareError
 from .async_engine import AsyncEngine, Overloaded
-from .config import EngineConfig
+from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
+from .hints import AgentHints
 from .sampling import SamplingParams
 
 
@@ -52,11 +58,12 @@ class _OpenAIRequest(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 = off; at most the vocabulary
+    n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
-    kvshare_hints: dict | None = None  # workflow hints, e.g. {"next_agents": ["critic"]}
+    kvshare_hints: dict | None = None  # agent hints (serve/hints.py), e.g. {"workflow_id": ..., "agent_id": ...}
     # OpenAI's own optional fields, accepted and ignored at their neutral values
     user: str | None = None
     frequency_penalty: float | None = None
@@ -82,7 +89,7 @@ class _Lenient(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
 
 
@@ -96,7 +103,7 @@ class ChatRequest(_OpenAIRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; needs logprobs
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
@@ -136,9 +143,104 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413 before anything buffers or parses
+    it: a declared Content-Length is judged up front, a chunked body is read here only up to
+    the limit and then handed on."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:  # the HTTP server holds the client to it
+            if not declared.isdigit() or int(declared) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body arrived: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what follows the body: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+
+
+def _nesting(value, limit: int) -> int:
+    """Depth of nested objects and lists in ``value``, counted without recursion and no
+    further than ``limit + 1``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> None:
+    """Refuse (400) what would cost more than one request's share: long or many stop strings,
+    large or deep ``kvshare_hints``, more logprobs than ``max_logprobs``, a top_k beyond the
+    vocabulary. The hints' fields themselves are the engine's to validate."""
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > limits.max_stop_sequences:
+        raise ApiError(400, f"stop has {len(stops)} sequences; at most {limits.max_stop_sequences} are allowed",
+                       param="stop")
+    if any(not 0 < len(s) <= limits.max_stop_length for s in stops):
+        raise ApiError(400, f"each stop sequence must have 1 to {limits.max_stop_length} characters", param="stop")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise ApiError(400, f"top_k must be -1 (off) or at most the vocabulary size {vocab_size}", param="top_k")
+    for name in ("logprobs", "top_logprobs"):
+        value = getattr(req, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
+            raise ApiError(400, f"{name} must be at most {limits.max_logprobs}", param=name)
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    hints = req.kvshare_hints
+    if hints is not None:
+        if _nesting(hints, limits.max_hints_depth) > limits.max_hints_depth:
+            raise ApiError(400, f"kvshare_hints nests deeper than {limits.max_hints_depth} levels",
+                           param="kvshare_hints")
+        size = len(json.dumps(hints, separators=(",", ":")).encode())
+        if size > limits.max_hints_bytes:
+            raise ApiError(400, f"kvshare_hints is {size} bytes as JSON; at most {limits.max_hints_bytes} are allowed",
+                           param="kvshare_hints")
+
+
 def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | None = None,
-               max_waiting: int = 256) -> FastAPI:
+               max_waiting: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The app over ``engine``; ``max_waiting`` overrides ``limits.max_waiting``."""
+    limits = limits or ServerLimits()
+    max_waiting = limits.max_waiting if max_waiting is None else max_waiting
     runner = AsyncEngine(engine, max_waiting=max_waiting)
+    # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
+    # so a huge prompt costs one core, not every core
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-tokenize")
     base_name = served_model_name or engine.model_name
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine))
@@ -150,6 +252,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def lifespan(_app):
         yield
         runner.shutdown()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvshare", version="1", lifespan=lifespan)
     app.state.runner = runner  # the engine thread, for health checks and tests
@@ -158,14 +261,24 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def _api_error(request: Request, err: ApiError):
         return _error(err.status, err.message, err.kind, err.param)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException):  # routing, unparsable bodies
+        return _error(err.status_code, str(err.detail), "invalid_request_error" if err.status_code < 500
+                      else "server_error")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         return _error(400, f"{where}: {first['msg']}", param=where or None)
 
-    if api_key:
+    app.add_middleware(_BodyLimit, limit=limits.max_request_bytes)
+    if api_key:  # added last, so it runs first: no key, no body read
         app.add_middleware(_ApiKeyGuard, api_key=api_key)
+
+    async def off_loop(work, *args):
+        """Run CPU-bound ``work`` (tokenising, chat templates) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work, *args)
 
     def resolve(model: str) -> str | None:
         if model == base_name:
@@ -180,6 +293,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             raise ApiError(400, "only n=1 is supported", param="n")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=max(0, req.top_k or 0),
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
@@ -198,8 +312,15 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             if value is not None:
                 histogram.observe(value)
 
-    async def run(prompt, params, adapter, body):
-        stream = runner.generate(prompt, params, adapter, body.kvshare_hints)
+    def hints_of(req, request: Request) -> AgentHints:
+        """The request's agent hints: the ``kvshare_hints`` body field, ids also from router headers."""
+        try:
+            return AgentHints.parse(req.kvshare_hints, dict(request.headers))
+        except KvshareError as err:
+            raise ApiError(400, str(err), param="kvshare_hints") from None
+
+    async def run(prompt, params, adapter, hints: AgentHints):
+        stream = runner.generate(prompt, params, adapter, hints)
         try:
             first = await stream.__anext__()
         except Overloaded as err:
@@ -209,6 +330,20 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         except RuntimeError as err:
             raise ApiError(500, str(err), kind="server_error") from None
         return first, stream
+
+    async def start_all(prompts, params, adapter, hints: AgentHints) -> list:
+        """Queue every prompt of a batch, or none: if one is refused, the others are aborted."""
+        if len(prompts) > max(1, runner.max_waiting):
+            raise ApiError(400, f"{len(prompts)} prompts exceed the queue's capacity of {runner.max_waiting}",
+                           param="prompt")
+        if not runner.has_room(len(prompts)):
+            raise ApiError(503, f"server overloaded: no room for {len(prompts)} more requests", kind="server_error")
+        started = await asyncio.gather(*(run(p, params, adapter, hints) for p in prompts), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(r[1].aclose() for r in started if not isinstance(r, BaseException)))
+            raise failed[0]
+        return started
 
     async def unless_gone(request: Request, work):
         """Await ``work``; if the client disconnects first, cancel it (which aborts its
@@ -225,8 +360,11 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def collect(first: RequestOutput, stream) -> RequestOutput:
         last = first
         if not last.finished:
-            async for out in stream:
-                last = out
+            try:
+                async for out in stream:
+                    last = out
+            except RuntimeError as err:  # the engine failed this request mid-generation
+                raise ApiError(500, str(err), kind="server_error") from None
         observe(last)
         return last
 
@@ -245,7 +383,12 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                     if out.finished:
                         observe(out)
                         break
-                    out = await stream.__anext__()
+                    try:
+                        out = await stream.__anext__()
+                    except RuntimeError as err:  # failed mid-stream: say so, as vLLM does, and end
+                        error = {"message": str(err), "type": "server_error", "param": None, "code": 500}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                        break
                 yield "data: [DONE]\n\n"
             finally:
                 await stream.aclose()  # a disconnect lands here: the request is aborted
@@ -273,14 +416,20 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             by_text.setdefault(engine.tokenizer.decode([token]), logprob)
         return by_text
 
-    def prompts_of(req: CompletionRequest) -> list[list[int]]:
+    async def prompts_of(req: CompletionRequest) -> list[list[int]]:
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]  # an empty list is one empty prompt, refused by check_prompt
+        if len(batch) > limits.max_prompts:
+            raise ApiError(400, f"{len(batch)} prompts in one request; at most {limits.max_prompts} are allowed",
+                           param="prompt")
         if len(batch) > 1 and req.stream:
             raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
         if req.echo and req.stream:
             raise ApiError(400, "echo is not supported with stream", param="echo")
-        return [p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False) for p in batch]
+        texts = [p for p in batch if isinstance(p, str)]
+        encoded = iter(await off_loop(lambda: [engine.tokenizer.encode(t, add_special_tokens=False)
+                                               for t in texts]) if texts else [])
+        return [p if isinstance(p, list) else next(encoded) for p in batch]
 
     @app.get("/health")
     async def health():
@@ -305,7 +454,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         adapter = resolve(req.model)
-        prompts = prompts_of(req)
+        check_limits(req, limits, engine.runner.vocab_size)
+        prompts = await prompts_of(req)
         for prompt in prompts:
             check_prompt(prompt, req.max_tokens)
         scored = req.logprobs if req.echo else None
@@ -313,7 +463,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if not req.stream:
             # gathered, so every prompt is queued before any finishes and they share batches
-            started = await asyncio.gather(*(run(prompt, params, adapter, req) for prompt in prompts))
+            started = await start_all(prompts, params, adapter, hints_of(req, request))
             outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
             choices = [{"index": i, "finish_reason": out.finish_reason,
                         "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
@@ -321,7 +471,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                        for i, out in enumerate(outs)]
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                     "choices": choices, "usage": usage(outs)}
-        first, stream = await run(prompts[0], params, adapter, req)
+        first, stream = await run(prompts[0], params, adapter, hints_of(req, request))
 
         def chunk(delta, finish, opening):
             if opening:
@@ -335,11 +485,15 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         adapter = resolve(req.model)
-        prompt = engine.chat_prompt([m.model_dump() for m in req.messages], adapter)
+        check_limits(req, limits, engine.runner.vocab_size)
+        try:
+            prompt = await off_loop(engine.chat_prompt, [m.model_dump() for m in req.messages], adapter)
+        except (TemplateError, ValueError) as err:  # the template refused these messages
+            raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         check_prompt(prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        first, stream = await run(prompt, params, adapter, req)
+        first, stream = await run(prompt, params, adapter, hints_of(req, request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(delta, finish, opening):
@@ -365,9 +519,10 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
 
 def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, config: EngineConfig | None = None) -> None:
+          api_key: str | None = None, config: EngineConfig | None = None,
+          limits: ServerLimits | None = None) -> None:
     import uvicorn
 
     engine = LLMEngine(model, adapters, config)
-    app = create_app(engine, api_key=api_key)
+    app = create_app(engine, api_key=api_key, limits=limits)
     uvicorn.run(app, host=host, port=port, log_level="info")

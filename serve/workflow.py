@@ -4,8 +4,10 @@ Agents are (name, adapter, role prompt). A workflow keeps its conversation as to
 every agent's prompt starts with exactly the tokens the previous calls saw: with ICaRus
 adapters that prefix is one shared KV cache; with conventional LoRA each agent needs its
 own. Tools are simulated (a fixed delay and a fixed-length observation cut from the task's
-own text). Calls go to the in-process engine or to a kvshare server; each carries a hint
-naming the agents expected next, which the engine records for look-ahead cache policies.
+own text). Calls go to the in-process engine or to a kvshare server; each carries typed
+hints (:mod:`.hints`): the workflow and agent ids and the steps to every agent's next call,
+read off the pattern's step graph (:mod:`.step_graph`), which KVFlow's step-aware eviction
+and prefetch use. Over HTTP the ids also travel as headers, for routers.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from .async_engine import AsyncEngine
 from .sampling import SamplingParams
+from .step_graph import StepGraph
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,10 @@ class ServerBackend:
     async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
                        hints: dict) -> tuple[list[int], int, float]:
         first, text, cached = None, "", 0
+        headers = {"x-session-id": hints["workflow_id"], "x-kvshare-agent-id": hints["agent_id"]}
         stream = await self.client.completions.create(
             model=adapter or self.base_model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            stream=True, extra_body={"kvshare_hints": hints})
+            stream=True, extra_body={"kvshare_hints": hints}, extra_headers=headers)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter()
@@ -140,16 +145,20 @@ class Workflow:
     def __post_init__(self):
         self.history = list(self.context)
         self._tok = self.backend.tokenizer
+        self.workflow_id = f"wf{self.index}-{uuid.uuid4().hex[:8]}"  # unique across runs
 
     def _header(self, agent: Agent, text: str = "") -> list[int]:
         if agent.invocation:
             return list(agent.invocation)
         return self._tok.encode(f"\n[{agent.name}] {agent.role}{text}\n", add_special_tokens=False)
 
-    async def call(self, agent: Agent, prompt: list[int], next_agents: list[str]) -> list[int]:
+    async def call(self, agent: Agent, prompt: list[int], graph: StepGraph, done: set[str]) -> list[int]:
+        """One LLM call of ``agent``; its hints give every agent's steps to its next call once
+        the nodes ``done`` (this call's included) have run: the next agent is 1 step away."""
+        steps = {a: s + 1 for a, s in graph.agent_steps(done).items()}
+        hints = {"workflow_id": self.workflow_id, "agent_id": agent.name, "steps_to_execution": steps}
         start = time.perf_counter()
-        ids, cached, first = await self.backend.complete(prompt, agent.adapter, self.max_tokens,
-                                                         {"next_agents": next_agents, "workflow": self.index})
+        ids, cached, first = await self.backend.complete(prompt, agent.adapter, self.max_tokens, hints)
         self.records.append(CallRecord(self.index, agent.name, len(prompt), cached, len(ids), start,
                                        first, time.perf_counter()))
         return ids
@@ -162,27 +171,31 @@ class Workflow:
 
     async def react(self, order, turns: int) -> None:
         """Thought -> action (tool) -> observation, one agent per turn, all on one history."""
+        graph = StepGraph.chain([order.pick(turn).name for turn in range(turns)])
         for turn in range(turns):
             agent = order.pick(turn)
             prompt = self.history + self._header(agent)
-            thought = await self.call(agent, prompt, [order.pick(turn + 1).name])
+            thought = await self.call(agent, prompt, graph, {f"n{t}" for t in range(turn + 1)})
             self.history = prompt + thought
             await self.observe(turn)
 
     async def reflexion(self, actor: Agent, critic: Agent, rounds: int) -> None:
         """The actor tries, the critic reflects, the actor tries again with the reflection."""
+        graph = StepGraph.chain([actor.name, critic.name] * rounds)
         for step in range(rounds):
             prompt = self.history + self._header(actor)
-            self.history = prompt + await self.call(actor, prompt, [critic.name])
+            self.history = prompt + await self.call(actor, prompt, graph, {f"n{t}" for t in range(2 * step + 1)})
             await self.observe(step)
             prompt = self.history + self._header(critic)
-            self.history = prompt + await self.call(critic, prompt, [actor.name])
+            self.history = prompt + await self.call(critic, prompt, graph, {f"n{t}" for t in range(2 * step + 2)})
 
     async def mapreduce(self, mappers: list[Agent], reducer: Agent) -> None:
         """Every mapper answers from the shared context at once; the reducer reads them all."""
+        graph = StepGraph.fan_in([m.name for m in mappers], reducer.name)
         prompts = [self.history + self._header(m) for m in mappers]
-        outputs = await asyncio.gather(*(self.call(m, p, [reducer.name]) for m, p in zip(mappers, prompts)))
+        outputs = await asyncio.gather(*(self.call(m, p, graph, {f"map{i}"})
+                                         for i, (m, p) in enumerate(zip(mappers, prompts))))
         for mapper, out in zip(mappers, outputs):
             self.history += self._header(mapper) + out
         prompt = self.history + self._header(reducer)
-        self.history = prompt + await self.call(reducer, prompt, [])
+        self.history = prompt + await self.call(reducer, prompt, graph, set(graph.nodes))

@@ -163,3 +163,76 @@ def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
     tight = LLM(base, list(adapters.values()), kv_cache_tokens=4 * 60, block_size=4)
     assert run_together(tight.engine, requests) == expected
     assert tight.engine.stats()["preemptions"] > 0
+
+
+def _run_all(engine, items) -> tuple[list[str], dict]:
+    """Submit (prompt, adapter, params) items at once and step to the end."""
+    ids = [engine.add_request(p, s, adapter=a) for p, a, s in items]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return ids, done
+
+
+def _fault_items(tokenizer, invocation):
+    prompts = prompts_for(tokenizer, 3)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    return [(prompts[0], None, greedy), (prompts[1], "lora-a", greedy), (prompts[2] + invocation, "alora-a", seeded),
+            (prompts[0], "icarus-a", greedy), (prompts[1] * 2, "icarus-b", seeded)]
+
+
+def test_a_step_fault_fails_only_the_request_it_belongs_to(base, adapters, tokenizer, invocation, monkeypatch):
+    """A fault that strikes whenever one request is in the batch - after the model ran and
+    sampled, so KV was written and seeded generators drew - fails that request alone; every
+    other request (greedy and seeded, base and each adapter kind) gets exactly the tokens (and the
+    logprobs) of a run without the fault, and the pool is whole again afterwards."""
+    items = _fault_items(tokenizer, invocation)
+    settings = dict(kv_cache_tokens=2048, block_size=8, max_num_batched_tokens=40)  # chunked prefills too
+    clean_ids, clean = _run_all(LLM(base, list(adapters.values()), **settings).engine, items)
+    engine = LLM(base, list(adapters.values()), **settings).engine
+    real_run, calls, bad = engine.runner.run, {"n": 0}, {}
+
+    def faulty(plans, lookup):
+        calls["n"] += 1
+        result = real_run(plans, lookup)
+        if any(p.seq.request_id == bad.get("id") and len(p.seq.output) >= 3 for p in plans):
+            raise RuntimeError("simulated fault tied to one request")
+        return result
+
+    monkeypatch.setattr(engine.runner, "run", faulty)
+    ids = [engine.add_request(p, s, adapter=a) for p, a, s in items]
+    bad["id"] = ids[1]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    failed = done[ids[1]]
+    assert failed.finish_reason == "error" and failed.token_ids == clean[clean_ids[1]].token_ids[:3]
+    for i in (0, 2, 3, 4):
+        assert done[ids[i]].finish_reason == "length"
+        assert done[ids[i]].token_ids == clean[clean_ids[i]].token_ids, i
+        got, want = done[ids[i]].logprobs, clean[clean_ids[i]].logprobs  # batch shapes differ: rounding
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-5), i
+    assert engine.counters["failed"] == 1 and engine.stats()["blocks_in_use"] == 0
+    assert calls["n"] > engine.counters["steps"]  # the failing steps were retried in parts
+    again_ids, again = _run_all(engine, items[1:2])  # the engine serves on
+    assert again[again_ids[0]].token_ids == clean[clean_ids[1]].token_ids
+
+
+def test_a_fault_in_one_requests_text_fails_only_that_request(base, adapters, tokenizer, invocation):
+    items = _fault_items(tokenizer, invocation)
+    clean_ids, clean = _run_all(LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8).engine, items)
+    engine = LLM(base, list(adapters.values()), kv_cache_tokens=2048, block_size=8).engine
+    ids = [engine.add_request(p, s, adapter=a) for p, a, s in items]
+
+    def broken(ids):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated")
+
+    engine.sequences[ids[3]].detokenizer.update = broken
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[ids[3]].finish_reason == "error" and len(done[ids[3]].token_ids) == 1
+    for i in (0, 1, 2, 4):
+        assert done[ids[i]].token_ids == clean[clean_ids[i]].token_ids, i
+    assert engine.stats()["blocks_in_use"] == 0 and engine.counters["failed"] == 1

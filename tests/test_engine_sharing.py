@@ -79,10 +79,16 @@ def expected_owner(kind, digest, block_end, invocation_start):
     return digest if invocation_start is not None and block_end > invocation_start else None
 
 
-def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer, invocation):
+KVFLOW = dict(eviction_policy="step", host_cache_tokens=BS * 60, prefetch_steps=1)
+
+
+@pytest.mark.parametrize("settings", [{}, KVFLOW], ids=["lru", "kvflow"])
+def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer, invocation, settings):
+    """With KVFlow's policy and host tier the blocks also travel to the host and back (loaded
+    ones keep their owner) and requests carry random agent hints."""
     rng = random.Random(0)
     llm = LLM(base, list(adapters.values()), kv_cache_tokens=BS * 90, block_size=BS,
-              max_num_batched_tokens=48)
+              max_num_batched_tokens=48, **settings)
     engine, blocks = llm.engine, llm.engine._blocks  # the cache package's block manager
     kinds = {None: None, "lora-a": "lora", "lora-b": "lora", "alora-a": "alora",
              "icarus-a": "icarus", "icarus-b": "icarus"}
@@ -111,13 +117,19 @@ def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer,
         adapter = rng.choice(list(kinds))
         prompt = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(segments)]
         params = SamplingParams(max_tokens=rng.randint(1, 3), ignore_eos=True)
-        requests.append((engine.add_request(prompt, params, adapter=adapter), prompt, adapter, params))
+        names = ["base", *[k for k in kinds if k]]
+        hints = {"workflow_id": f"w{rng.randint(0, 2)}", "agent_id": adapter or "base",
+                 "fixed_prefix_tokens": rng.choice([None, 4, 8, 12]),
+                 "steps_to_execution": {a: rng.randint(1, 6) for a in rng.sample(names, 3)}}
+        requests.append((engine.add_request(prompt, params, adapter=adapter, hints=hints), prompt, adapter, params))
         if rng.random() < 0.5:
             collect(engine.step())
     while engine.has_unfinished():
         collect(engine.step())
     assert len(outputs) == 300 and checked_blocks > 100
     assert engine.stats()["evictions"] > 0  # the small pool really cycled blocks
+    if settings:
+        assert engine.stats()["host_loaded_blocks"] > 0  # and blocks came back from the host
     for request_id, prompt, adapter, params in rng.sample(requests, 12):
         fresh = LLM(base, list(adapters.values()), kv_cache_tokens=512, block_size=BS)
         assert fresh.generate([prompt], params, adapter=adapter)[0].token_ids == outputs[request_id]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import socket
 import threading
 import time
@@ -25,23 +28,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(base, adapters):
-    engine = LLMEngine(base, [adapters["lora-a"], adapters["alora-a"], adapters["icarus-a"]],
-                       kv_cache_tokens=4096, block_size=8, max_model_len=256)
-    app = create_app(engine, api_key=KEY, served_model_name="tiny-base", max_waiting=8)
+@contextlib.contextmanager
+def running_server(engine: LLMEngine, **app_options):
+    """The app over ``engine`` on a free loopback port, in a thread, for the block's duration."""
+    app = create_app(engine, api_key=KEY, served_model_name="tiny-base", **app_options)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not uv.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield {"url": f"http://127.0.0.1:{port}", "engine": engine}
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "engine": engine}
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(base, adapters):
+    engine = LLMEngine(base, [adapters["lora-a"], adapters["alora-a"], adapters["icarus-a"]],
+                       kv_cache_tokens=4096, block_size=8, max_model_len=256)
+    with running_server(engine, max_waiting=8) as running:
+        yield running
 
 
 @pytest.fixture
@@ -245,3 +256,134 @@ def test_serving_beyond_loopback_without_a_key_warns(cli, tmp_path, monkeypatch)
     assert result.code == 1 and "warning: serving on 0.0.0.0 without an API key" in result.err
     monkeypatch.setenv("KVSHARE_API_KEY", "k")
     assert "warning" not in cli("serve", "--model", missing, "--host", "0.0.0.0").err
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, str, list[dict]]:
+    """Status, assembled text and the parsed events of one streamed completion."""
+    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=AUTH) as r:
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    return r.status_code, "".join(e["choices"][0]["text"] for e in events if "choices" in e), events
+
+
+def _innocents(n: int, max_tokens: int = 32) -> list[dict]:
+    return [{"model": "icarus-a" if i % 2 else "tiny-base", "prompt": f"Item {i} is", "max_tokens": max_tokens,
+             "temperature": 0} for i in range(n)]
+
+
+def _reference(url: str, bodies: list[dict]) -> list[str]:
+    """Each innocent body's text, run alone before anything hostile happens."""
+    return [httpx.post(url + "/v1/completions", json=b, headers=AUTH, timeout=60).json()["choices"][0]["text"]
+            for b in bodies]
+
+
+def test_a_step_fault_fails_only_its_request_and_ends_its_stream_with_an_error(server, monkeypatch):
+    """A fault tied to one request (raised by the runner whenever that request is in the
+    batch, once it has made two tokens) ends its stream with an OpenAI-style error event, and a
+    non-streaming one with a 500 JSON error; the innocent streams in flight finish with the
+    text they give without the fault."""
+    engine, url = server["engine"], server["url"]
+    innocents = _innocents(4)
+    want = _reference(url, innocents)
+    bad_prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in ("Faulty one:", "Faulty two:")]
+    real_run = engine.runner.run
+
+    def faulty(plans, lookup):
+        if any(p.seq.prompt in bad_prompts and len(p.seq.output) >= 2 for p in plans):
+            raise RuntimeError("simulated fault tied to one request")
+        return real_run(plans, lookup)
+
+    monkeypatch.setattr(engine.runner, "run", faulty)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            bad = {"model": "tiny-base", "max_tokens": 40, "temperature": 0}
+            return await asyncio.gather(
+                *(_stream_text(client, url, b) for b in innocents),
+                _stream_text(client, url, {**bad, "prompt": "Faulty one:"}),
+                client.post(url + "/v1/completions", headers=AUTH, json={**bad, "prompt": "Faulty two:"}))
+
+    *good, (status, _, events), plain = asyncio.run(main())
+    assert [text for _, text, _ in good] == want
+    assert status == 200 and "error" in events[-1] and events[-1]["error"]["type"] == "server_error"
+    assert any("choices" in e for e in events[:-1])  # it failed mid-stream, after some output
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert engine.counters["failed"] >= 2 and engine.stats()["blocks_in_use"] == 0
+
+
+def test_a_chat_template_error_is_400_and_innocents_go_on(server, monkeypatch):
+    """A chat the model's template refuses (here: a role it raises on) is the client's mistake: 400."""
+    from kvshare.testing import CHATML_TEMPLATE
+
+    engine, url = server["engine"], server["url"]
+    strict = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool messages') }}" \
+             "{% endif %}{% endfor %}" + CHATML_TEMPLATE
+    monkeypatch.setattr(engine.tokenizer, "chat_template", strict)
+    innocents = _innocents(3)
+    want = _reference(url, innocents)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            hostile = client.post(url + "/v1/chat/completions", headers=AUTH, json={
+                "model": "tiny-base", "max_tokens": 2, "messages": [{"role": "tool", "content": "x"}]})
+            return await asyncio.gather(*(_stream_text(client, url, b) for b in innocents), hostile)
+
+    *good, bad = asyncio.run(main())
+    assert [text for _, text, _ in good] == want
+    assert bad.status_code == 400 and "no tool messages" in bad.json()["error"]["message"]
+
+
+def test_a_batch_larger_than_the_queue_is_400_and_queues_nothing(server):
+    engine = server["engine"]
+    before = engine.counters["requests"]
+    r = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=30,
+                   json={"model": "tiny-base", "prompt": [f"p{i}" for i in range(9)], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # the queue holds 8
+    assert engine.counters["requests"] == before
+    ok = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=30,
+                    json={"model": "tiny-base", "prompt": [f"p{i}" for i in range(8)], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+
+
+def test_limits_are_options(server):
+    """Each limit is a ServerLimits field (and a --flag from add_server_arguments)."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from kvshare.serve.config import ServerLimits, add_server_arguments, server_limits_from_args
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    assert server_limits_from_args(parser.parse_args([])) == ServerLimits()
+    limits = server_limits_from_args(parser.parse_args(["--max-request-bytes", "2048", "--max-prompts", "2",
+                                                        "--max-stop-sequences", "1", "--max-logprobs", "1"]))
+    assert limits.max_request_bytes == 2048 and limits.max_prompts == 2
+    body = {"model": "tiny-base", "max_tokens": 2, "prompt": "hi"}
+    with TestClient(create_app(server["engine"], served_model_name="tiny-base", limits=limits)) as local:
+        assert local.post("/v1/completions", json=body).status_code == 200
+        for extra, status in (({"user": "x" * 2048}, 413), ({"prompt": ["a", "b", "c"]}, 400),
+                              ({"stop": ["a", "b"]}, 400), ({"logprobs": 2}, 400), ({"logprobs": 1}, 200)):
+            r = local.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == status and (status == 200 or "error" in r.json()), (extra, r.text)
+
+
+def test_a_batch_with_a_refused_prompt_is_400_and_runs_none_of_it(server):
+    """The engine refuses one prompt of a batch (a token id outside the vocabulary): the reply is
+    400 and the batch's other prompts, already queued, are aborted rather than run for nobody."""
+    engine = server["engine"]
+    before = dict(engine.counters)
+    r = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=30,
+                   json={"model": "tiny-base", "prompt": [[5, 6, 7], [5, 10 ** 9]], "max_tokens": 200,
+                         "temperature": 0})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+    deadline = time.time() + 20
+    while engine.has_unfinished() or engine.stats()["blocks_in_use"]:
+        assert time.time() < deadline, engine.stats()
+        time.sleep(0.05)
+    assert engine.counters["finished"] == before["finished"]
+    assert engine.counters["aborted"] == before["aborted"] + 1

@@ -119,29 +119,107 @@ def test_abrupt_disconnects_free_their_blocks(server_url):
     wait_idle(server_url)
 
 
-def test_a_bad_request_does_not_hurt_innocent_requests_in_flight(server_url):
-    """Innocent streams run while hostile requests arrive; all innocent ones complete normally."""
-    async def innocent(client, i):
-        body = {"model": "icarus-a", "prompt": f"Item {i} is", "max_tokens": 12, "temperature": 0,
-                "stream": True}
-        async with client.stream("POST", server_url + "/v1/completions", json=body, headers=AUTH) as r:
-            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-            return r.status_code == 200 and lines[-1] == "data: [DONE]"
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
 
-    async def hostile(client, body):
+
+# (path, body: a dict merged over a valid request, or raw JSON text, or an async byte stream
+# factory for a chunked upload, expected status): each must be refused without harming anyone
+HOSTILE = [
+    ("/v1/completions", {"seed": 2 ** 64}, 400),
+    ("/v1/completions", {"prompt": [1, 10 ** 9]}, 400),
+    ("/v1/completions", {"temperature": 1e-300}, 200),  # a tiny temperature samples greedily
+    # numeric fields are bounded
+    ("/v1/completions", {"top_k": 10 ** 6}, 400),  # beyond the vocabulary
+    ("/v1/completions", {"top_k": -2}, 400),
+    ("/v1/completions", {"top_k": 5, "temperature": 0.7, "seed": 1}, 200),  # vLLM's top_k is accepted
+    ("/v1/completions", {"n": 0}, 400),
+    ("/v1/completions", {"logprobs": 21}, 400),  # over max_logprobs (20)
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, 400),
+    ("/v1/chat/completions", {"top_logprobs": 2}, 400),  # top_logprobs needs logprobs: true
+    # stop strings, hints and batches are capped
+    ("/v1/completions", {"stop": [f"s{i}" for i in range(17)]}, 400),  # over 16 stop sequences
+    ("/v1/completions", {"stop": "x" * 1025}, 400),  # a stop string over 1024 characters
+    ("/v1/completions", {"stop": [""]}, 400),
+    ("/v1/completions", {"kvshare_hints": {"next_agents": ["a" * 200] * 400}}, 400),  # over 64 KiB as JSON
+    ("/v1/completions", {"kvshare_hints": {"graph": json.loads(_nested(40))}}, 400),  # nested too deep
+    ("/v1/completions", {"prompt": ["x"] * 65}, 400),  # over 64 prompts in one request
+    # bodies: too large (declared or chunked), unparsable, unknown routes - all OpenAI-shaped
+    ("/v1/completions", {"user": "x" * (9 * 2 ** 20)}, 413),
+    ("/v1/completions", "chunked", 413),
+    ("/v1/completions", '{"model": "M", "prompt": "hi", "user": ' + _nested(100_000) + "}", 400),
+    ("/v1/nowhere", {}, 404),
+]
+
+
+async def _chunked_over_the_limit():
+    yield b'{"model": "icarus-a", "prompt": "hi", "user": "'
+    for _ in range(9):
+        yield b"x" * 2 ** 20
+    yield b'"}'
+
+
+def test_a_bad_request_does_not_hurt_innocent_requests_in_flight(server_url):
+    """Innocent streams run while hostile requests arrive: each hostile one gets its status and
+    an OpenAI-style error, and every innocent one completes with the text it gets alone."""
+    innocents = [{"model": "icarus-a", "prompt": f"Item {i} is", "max_tokens": 48, "temperature": 0}
+                 for i in range(6)]
+    want = [httpx.post(server_url + "/v1/completions", json=b, headers=AUTH, timeout=60).json()["choices"][0]["text"]
+            for b in innocents]
+
+    async def innocent(client, body):
+        async with client.stream("POST", server_url + "/v1/completions", json={**body, "stream": True},
+                                 headers=AUTH) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    async def hostile(client, path, body):
         await asyncio.sleep(0.05)
-        r = await client.post(server_url + "/v1/completions", json={"model": "icarus-a", **body}, headers=AUTH)
-        return r.status_code
+        valid = {"model": "icarus-a", "max_tokens": 2}
+        valid.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+        if body == "chunked":
+            content = _chunked_over_the_limit()
+        else:
+            content = json.dumps({**valid, **body}) if isinstance(body, dict) else body.replace('"M"', '"icarus-a"')
+        r = await client.post(server_url + path, content=content,
+                              headers={**AUTH, "content-type": "application/json"})
+        return r.status_code, r.json()
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            bad = [{"prompt": "x", "max_tokens": 2, "seed": 2 ** 64}, {"prompt": [1, 10 ** 9], "max_tokens": 2},
-                   {"prompt": "x", "max_tokens": 3, "temperature": 1e-300}]
-            return await asyncio.gather(*(innocent(client, i) for i in range(6)), *(hostile(client, b) for b in bad))
+            return await asyncio.gather(*(innocent(client, b) for b in innocents),
+                                        *(hostile(client, path, body) for path, body, _ in HOSTILE))
 
     results = asyncio.run(main())
-    assert all(results[:6]) and results[6:] == [400, 400, 200]  # a tiny temperature samples greedily
+    assert results[:len(innocents)] == want
+    for (path, body, status), (got, reply) in zip(HOSTILE, results[len(innocents):]):
+        shown = body if len(str(body)) < 200 else str(body)[:60]
+        assert got == status, (path, shown, reply)
+        assert status == 200 or set(reply["error"]) >= {"message", "type", "code"}, (path, shown, reply)
     assert httpx.get(server_url + "/health", timeout=10).status_code == 200
+    wait_idle(server_url)
+
+
+def test_a_huge_prompt_is_tokenised_off_the_event_loop(server_url):
+    """A prompt of megabytes takes seconds to tokenise; the server keeps answering meanwhile
+    (the prompt is then refused: it is far over the context length)."""
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            huge = asyncio.ensure_future(client.post(
+                server_url + "/v1/completions", headers=AUTH,
+                json={"model": "icarus-a", "prompt": "word " * 600_000, "max_tokens": 2}))
+            started, slowest = time.perf_counter(), 0.0
+            while not huge.done():
+                t = time.perf_counter()
+                assert (await client.get(server_url + "/health")).status_code == 200
+                slowest = max(slowest, time.perf_counter() - t)
+                await asyncio.sleep(0.02)
+            return (await huge), time.perf_counter() - started, slowest
+
+    reply, took, slowest = asyncio.run(main())
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+    assert took > 0.5 and slowest < took / 3, (took, slowest)
 
 
 def test_a_disconnected_non_streaming_request_is_aborted(server_url):

@@ -48,8 +48,12 @@ def test_react_with_icarus_agents_reuses_the_shared_history(runner, tokenizer):
     # its generated tokens, but the last one) is served from the cache
     for before, record in zip(flow.records, flow.records[1:]):
         assert record.cached_tokens == (before.prompt_tokens + before.completion_tokens - 1) // 8 * 8
-    hints = [h for _, h in runner.engine.hints_log]
-    assert hints[0]["next_agents"] == ["checker"]
+    hints = [h for _, h in runner.engine.hints_log][-4:]
+    assert [h.agent_id for h in hints] == ["planner", "checker", "planner", "checker"]
+    assert len({h.workflow_id for h in hints}) == 1
+    # read off the ReAct step graph: the other agent is next (1), the caller two turns on
+    assert hints[0].steps_to_execution == {"checker": 1, "planner": 2}
+    assert hints[-1].steps_to_execution == {}  # the last turn: nobody runs after it
 
 
 def test_react_with_lora_agents_cannot_share(runner, tokenizer):
@@ -78,7 +82,8 @@ def test_react_against_the_server(server, tokenizer):
     asyncio.run(flow.react(RoundRobin(agents), turns=2))
     assert [r.agent for r in flow.records] == ["planner", "base"]
     assert all(r.completion_tokens > 0 and r.latency >= r.ttft >= 0 for r in flow.records)
-    assert any(h.get("workflow") == 3 for _, h in server["engine"].hints_log)
+    sent = [h for _, h in server["engine"].hints_log if h.workflow_id == flow.workflow_id]
+    assert [h.agent_id for h in sent] == ["planner", "base"]
 
 
 def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path):

@@ -24,6 +24,12 @@ def filler_prompt(tokenizer, n_tokens: int) -> list[int]:
     return (ids * (n_tokens // len(ids) + 1))[:n_tokens]
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (NaN for no values)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+
 def setup(model: str, threads: int) -> Path:
     """Pin torch's CPU threads (figures are per thread count) and resolve the model folder."""
     torch.set_num_threads(threads)

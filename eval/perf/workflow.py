@@ -30,7 +30,7 @@ from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
 from ...serve.engine import LLMEngine
 from ...serve.workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
-from .common import setup, write_report as _write
+from .common import percentile, setup, write_report as _write
 
 
 def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int]]:
@@ -121,11 +121,6 @@ async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, se
     return flows, makespan, peak[0]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
-
-
 def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, ...] = (2, 4, 8),
                        qps: tuple[float, ...] = (0.25, 0.5, 1.0), modes: tuple[str, ...] = ("icarus", "alora", "lora", "hf"),
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
@@ -160,10 +155,10 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     stats = engine.stats() if runner else {}
                     points.append({
                         "mode": mode, "agents": n, "qps": rate, "workflows": len(flows), "calls": len(calls),
-                        "p50_latency_s": _percentile([c.latency for c in calls], 0.5),
-                        "p95_latency_s": _percentile([c.latency for c in calls], 0.95),
+                        "p50_latency_s": percentile([c.latency for c in calls], 0.5),
+                        "p95_latency_s": percentile([c.latency for c in calls], 0.95),
                         "mean_ttft_s": sum(c.ttft for c in calls) / len(calls),
-                        "p95_ttft_s": _percentile([c.ttft for c in calls], 0.95),
+                        "p95_ttft_s": percentile([c.ttft for c in calls], 0.95),
                         "tokens_per_s": sum(c.completion_tokens for c in calls) / makespan,
                         "workflows_per_s": len(flows) / makespan,
                         "makespan_s": makespan,

@@ -3,16 +3,22 @@
 - :mod:`pool`: block ids over a tensor view, reference counts, a free list (so a pool can
   later grow or shrink inside a shared arena);
 - :mod:`prefix_index`: the hash chain of full blocks and the pending table;
-- :mod:`policy`: which unreferenced cached block goes first (``EvictionPolicy``; LRU today);
+- :mod:`policy`: which unreferenced cached block goes first (``EvictionPolicy``: LRU, or
+  KVFlow's step-aware order);
+- :mod:`agents`: per workflow agent, the steps to its next call and its fixed prompt's blocks;
+- :mod:`host_tier`: evicted blocks in host memory, loaded back by a copy thread;
 - :mod:`layout`: which pool and owner a block of a sequence gets, from its kind's spec;
 - :mod:`block_manager`: the facade the scheduler talks to, and the statistics.
 """
 
-from .block_manager import BlockManager, CacheStats, OutOfBlocks, PrefixPending
+from .agents import AgentTable
+from .block_manager import BlockManager, CacheStats, OutOfBlocks, PrefixLoading, PrefixPending
+from .host_tier import HostTier
 from .layout import KVLayout
-from .policy import POLICIES, EvictionPolicy, LRUPolicy, make_policy
+from .policy import POLICIES, EvictionPolicy, LRUPolicy, StepAwarePolicy, make_policy
 from .pool import BlockPool
 from .prefix_index import PrefixIndex
 
-__all__ = ["BlockManager", "BlockPool", "CacheStats", "EvictionPolicy", "KVLayout", "LRUPolicy",
-           "OutOfBlocks", "POLICIES", "PrefixIndex", "PrefixPending", "make_policy"]
+__all__ = ["AgentTable", "BlockManager", "BlockPool", "CacheStats", "EvictionPolicy", "HostTier", "KVLayout",
+           "LRUPolicy", "OutOfBlocks", "POLICIES", "PrefixIndex", "PrefixLoading", "PrefixPending",
+           "StepAwarePolicy", "make_policy"]

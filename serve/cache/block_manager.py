@@ -4,13 +4,22 @@ It composes a :class:`BlockPool` (ids and references), a :class:`PrefixIndex` (w
 holds which prefix), an :class:`EvictionPolicy` (which idle cached block goes first) and a
 :class:`KVLayout` (the owner each block's key names). Blocks that are cached and
 unreferenced stay reusable until the policy gives them up.
+
+With an :class:`AgentTable` each block also knows which agents' fixed prompts pass through
+it (its *readers*; a shared block collects every agent that reads it) and whether it holds
+a dynamic suffix, which is what the step-aware policy ranks by. With a :class:`HostTier`,
+an evicted block worth keeping goes to host memory, and a prompt whose prefix is there is
+loaded back (the request is skipped until its blocks land) instead of recomputed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from ..sequence import Sequence
+from .agents import AgentKey, AgentTable
+from .host_tier import HostTier
 from .layout import KVLayout
 from .policy import EvictionPolicy, LRUPolicy
 from .pool import BlockPool, OutOfBlocks
@@ -21,26 +30,37 @@ class PrefixPending(Exception):
     """The next block of this prompt is being computed for another request: wait, then reuse it."""
 
 
+class PrefixLoading(Exception):
+    """Blocks of this prompt are being loaded back from the host tier: skip it for now."""
+
+
 @dataclass
 class CacheStats:
-    hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    hit_tokens: int = 0  # prompt tokens served from the prefix cache (device or host tier)
     queried_tokens: int = 0  # prompt tokens looked up
     evictions: int = 0
+    host_hit_tokens: int = 0  # of hit_tokens, those loaded back from the host tier
 
 
 @dataclass
 class BlockInfo:
     key: bytes | None = None  # set once the block is full, computed and published
     owner: str | None = None
+    parent: bytes | None = None  # key of the block before it in its chain
+    readers: set[AgentKey] = field(default_factory=set)  # agents whose fixed prompt passes through it
+    dynamic: bool = False  # a hinted request's dynamic suffix (or output), read by no fixed prompt
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, base_fingerprint: str,
-                 policy: EvictionPolicy | None = None, layout: KVLayout | None = None):
+                 policy: EvictionPolicy | None = None, layout: KVLayout | None = None,
+                 agents: AgentTable | None = None, host_tier: HostTier | None = None):
         self.block_size = block_size
         self.index = PrefixIndex(base_fingerprint)
         self.layout = layout or KVLayout()
-        self.policy = policy or LRUPolicy()
+        self.policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
+        self.agents = agents if agents is not None else AgentTable()
+        self.tier = host_tier
         self.reset(num_blocks)
 
     def reset(self, num_blocks: int | None = None) -> None:
@@ -48,11 +68,31 @@ class BlockManager:
         if hasattr(self, "pool") and self.pool.num_referenced():
             raise RuntimeError("cannot reset the KV pool while requests hold blocks")
         num_blocks = num_blocks or self.pool.num_blocks
+        if self.tier is not None:
+            self.tier.clear()
         self.pool = BlockPool(num_blocks)
         self.blocks = [BlockInfo() for _ in range(num_blocks)]
+        self.children: dict[bytes, int] = {}  # key -> cached blocks whose parent it is
+        self.loading: dict[bytes, int] = {}  # key -> device block a load is filling
+        self.pinned_by: dict[int, int] = {}  # block -> how many waiting requests hold it
+        self.pinned_seqs: dict[str, Sequence] = {}
         self.index.clear()
         self.policy = type(self.policy)()  # a fresh policy of the engine's kind
+        self.policy.bind(self.rank, self.is_leaf)
         self.stats = CacheStats()
+
+    # what the policy ranks by ---------------------------------------------------------------
+    def rank(self, block_id: int) -> tuple:
+        """Lower goes first: (0, 0) for a block no fixed prompt reads, else (1, -steps) with
+        steps = the nearest next call of the agents that read it."""
+        readers = self.blocks[block_id].readers
+        if not readers:
+            return (0, 0.0)
+        return (1, -min(self.agents.steps_of(agent) for agent in readers))
+
+    def is_leaf(self, block_id: int) -> bool:
+        """No cached block continues this one's chain (so evicting it strands nothing)."""
+        return not self.children.get(self.blocks[block_id].key)
 
     # keys -------------------------------------------------------------------------------
     def _keys(self, seq: Sequence, upto_tokens: int, start: int = 0, parent: bytes | None = None):
@@ -85,44 +125,212 @@ class BlockManager:
         if not len(self.policy):
             raise OutOfBlocks
         block_id = self.policy.pop_victim()
-        info = self.blocks[block_id]
-        self.index.forget(info.key)
-        info.key, info.owner = None, None
-        self.stats.evictions += 1
+        self._evict(block_id)
         self.pool.ref(block_id)
         return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """Drop a cached idle block from the device index; keep a copy in the host tier
+        unless it is a dynamic suffix nobody will ask for again."""
+        info = self.blocks[block_id]
+        if self.tier is not None and not info.dynamic:
+            self.tier.offload(info.key, block_id, (info.owner, info.parent, set(info.readers)))
+        self.index.forget(info.key)
+        self._unlink(info)
+        self.blocks[block_id] = BlockInfo()
+        self.stats.evictions += 1
+
+    def _link(self, block_id: int, key: bytes, owner: str | None, parent: bytes | None,
+              readers: set[AgentKey], dynamic: bool) -> None:
+        self.blocks[block_id] = BlockInfo(key, owner, parent, readers, dynamic)
+        if parent is not None:
+            self.children[parent] = self.children.get(parent, 0) + 1
+
+    def _unlink(self, info: BlockInfo) -> None:
+        if info.parent is not None:
+            left = self.children[info.parent] - 1
+            if left:
+                self.children[info.parent] = left
+            else:
+                del self.children[info.parent]
 
     # sequence lifecycle -----------------------------------------------------------------
     def allocate(self, seq: Sequence) -> None:
         """Give a new sequence its blocks: reuse cached prefix blocks, fresh ones for the rest.
 
-        All-or-nothing: raises OutOfBlocks without changing anything if the pool is short.
+        All-or-nothing: raises OutOfBlocks without changing anything if the pool is short,
+        PrefixPending if the next block is being computed for another request, and
+        PrefixLoading (after starting the loads) if part of its prefix is in the host tier.
         """
         length = len(seq)
-        hits: list[int] = []
         keys = [key for _, _, key in self._keys(seq, length)]
-        for key in keys:
+        if seq.agent is not None and seq.fixed_blocks is None:  # once: retries must not relearn
+            seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
+                                                        seq.hints.fixed_prefix_tokens, self.block_size)
+        hits: list[int] = []
+        for index, key in enumerate(keys):
             block_id = self.index.lookup(key)
             if block_id is None:
                 if self.index.is_pending(key):
                     raise PrefixPending  # same prefix admitted just before: share it once computed
+                if self.tier is not None and (key in self.loading or key in self.tier):
+                    self._load_back(seq, keys[index:], hits)  # raises PrefixLoading if it started loads
                 break
             hits.append(block_id)
         fresh = self.blocks_needed(length) - len(hits)
         reusable_evictable = sum(1 for b in hits if b in self.policy)
         if fresh > self.num_free - reusable_evictable:
             raise OutOfBlocks
-        for block_id in hits:
+        for index, block_id in enumerate(hits):
             self.policy.remove(block_id)
             self.pool.ref(block_id)
+            self._mark_read(seq, index, block_id)
+            if self.tier is not None:
+                self.tier.touch(keys[index])  # a hit refreshes recency in both tiers
+        self.unpin(seq)  # its own references replace the pins
         seq.block_table = hits + [self._take() for _ in range(fresh)]
         for index in range(len(hits), len(keys)):
             self.index.mark_pending(keys[index], seq.block_table[index])
         seq.num_computed = len(hits) * self.block_size
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
+        if seq.waiting_on_loads_since is not None:
+            seq.load_wait_s += time.perf_counter() - seq.waiting_on_loads_since
+            seq.waiting_on_loads_since = None
         self.stats.queried_tokens += len(seq.prompt)
         self.stats.hit_tokens += min(seq.num_computed, len(seq.prompt))
+        self.stats.host_hit_tokens += min(seq.loaded_blocks * self.block_size, len(seq.prompt))
+
+    def _mark_read(self, seq: Sequence, index: int, block_id: int) -> None:
+        """Record that ``seq``'s agent reads this block as part of its fixed prompt."""
+        if seq.agent is not None and index < seq.fixed_blocks:
+            info = self.blocks[block_id]
+            info.readers.add(seq.agent)
+            info.dynamic = False
+
+    def _load_back(self, seq: Sequence, keys: list[bytes], hits: list[int]) -> None:
+        """The prompt continues in the host tier: pin the chain's blocks on the device for this
+        request, start loading the ones on host (in chain order) and raise PrefixLoading.
+        Returns (pinning nothing) when nothing can load or the whole request would not fit
+        once loaded: the rest is then recomputed. Pins keep the chain from being evicted
+        (by other loads, a prefetch, this request's own loads) until it is admitted."""
+        on_device, loading, to_load = list(hits), 0, []
+        for key in keys:
+            block_id = self.index.lookup(key)
+            if block_id is not None:
+                on_device.append(block_id)
+            elif key in self.loading:
+                loading += 1
+            elif key in self.tier:
+                to_load.append(key)
+            else:
+                break  # the chain ends here: recompute from this block on
+        if not loading and not to_load:
+            self.unpin(seq)
+            return
+        held = set(seq.pinned)  # from earlier attempts (landed loads included): keep them
+        for block_id in on_device:
+            if block_id not in held:
+                self._pin(seq, block_id)
+        if self.blocks_needed(len(seq)) - len(on_device) - loading > self.num_free:
+            self.unpin(seq)  # could not be admitted even once loaded: recompute instead
+            return
+        for key in keys:
+            if key in self.loading:
+                self.tier.promote(key)
+        for key in to_load:
+            block_id = self._take()
+            self._start_load(key, block_id, demand=True)
+            self.pinned_by[block_id] = self.pinned_by.get(block_id, 0) + 1  # the load's reference is the pin
+            seq.pinned.append(block_id)
+            seq.loaded_blocks += 1
+        self.pinned_seqs[seq.request_id] = seq
+        if seq.waiting_on_loads_since is None:
+            seq.waiting_on_loads_since = time.perf_counter()
+        raise PrefixLoading
+
+    def _pin(self, seq: Sequence, block_id: int) -> None:
+        self.policy.remove(block_id)
+        self.pool.ref(block_id)
+        self.pinned_by[block_id] = self.pinned_by.get(block_id, 0) + 1
+        seq.pinned.append(block_id)
+        self.pinned_seqs[seq.request_id] = seq
+
+    def unpin(self, seq: Sequence) -> None:
+        """Drop the blocks held for a waiting request (it was admitted, aborted or gave up)."""
+        self.pinned_seqs.pop(seq.request_id, None)
+        for block_id in seq.pinned:
+            self.pinned_by[block_id] -= 1
+            if not self.pinned_by[block_id]:
+                del self.pinned_by[block_id]
+            if self.blocks[block_id].key is None and block_id in self.loading.values():
+                continue  # still loading: the landing drops the load's reference
+            self._unref(block_id)
+        seq.pinned = []
+
+    def release_pins(self) -> bool:
+        """Give every pinned block back (a running request needs room); False if none was."""
+        held = list(self.pinned_seqs.values())
+        for seq in held:
+            self.unpin(seq)
+        return bool(held)
+
+    def _unref(self, block_id: int) -> None:
+        if self.pool.unref(block_id):
+            if self.blocks[block_id].key is not None:
+                self.policy.add(block_id)
+            else:
+                self.pool.release(block_id)
+
+    def _start_load(self, key: bytes, block_id: int, demand: bool) -> None:
+        self.loading[key] = block_id
+        self.tier.load(key, block_id, demand)
+
+    def poll_loads(self) -> int:
+        """Publish the blocks whose loads landed (the engine calls this every step); they
+        become idle cached blocks, found by the next lookup. Returns how many landed."""
+        if self.tier is None:
+            return 0
+        landed = self.tier.landed()
+        for transfer in landed:
+            block_id = self.loading.pop(transfer.key)
+            owner, parent, readers = self.tier.meta.get(transfer.key, (None, None, set()))
+            if self.index.publish(transfer.key, block_id):
+                self._link(block_id, transfer.key, owner, parent, set(readers), False)
+            if block_id not in self.pinned_by:  # a prefetch, or its request gave up: idle cached
+                self._unref(block_id)
+        return len(landed)
+
+    def loads_in_flight(self) -> int:
+        return len(self.loading)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        if self.tier is not None and self.loading:
+            self.tier.wait(timeout)
+
+    def prefetch(self, within: int, reserve: int = 0) -> int:
+        """Load back the fixed prompts of the agents due within ``within`` steps, nearest
+        first, into free blocks or in place of blocks the policy ranks below them (never
+        evicting what a nearer agent needs), leaving ``reserve`` blocks for the requests in
+        flight (a demand outranks a prefetch). Returns how many loads it started."""
+        if self.tier is None or within < 1:
+            return 0
+        started = 0
+        for steps, agent in self.agents.due(within):
+            for key in self.agents.fixed_keys.get(agent, ()):
+                if self.index.lookup(key) is not None or key in self.loading:
+                    continue
+                if key not in self.tier:
+                    break  # the rest of the chain is not there to load
+                if self.num_free <= reserve:
+                    return started
+                if not self.pool.num_free:
+                    victim = self.policy.peek_rank()
+                    if victim is None or victim >= (1, -steps):
+                        return started  # what is left on the device is needed as soon
+                self._start_load(key, self._take(), demand=False)
+                started += 1
+        return started
 
     def ensure_capacity(self, seq: Sequence, n_tokens: int) -> None:
         """Make the block table hold ``n_tokens`` tokens (raises OutOfBlocks if it cannot)."""
@@ -141,19 +349,18 @@ class BlockManager:
         for index, owner, key in self._keys(seq, full * self.block_size, seq.hashed_blocks, seq.chain_key):
             block_id = seq.block_table[index]  # freshly computed here, so never published before
             if self.index.publish(key, block_id):
-                self.blocks[block_id].key, self.blocks[block_id].owner = key, owner
+                fixed = seq.agent is not None and index < seq.fixed_blocks
+                self._link(block_id, key, owner, seq.chain_key, {seq.agent} if fixed else set(),
+                           dynamic=seq.agent is not None and not fixed)
             seq.chain_key = key
         seq.hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay reusable until evicted."""
+        self.unpin(seq)
         self.index.drop_pending_of(set(seq.block_table))
         for block_id in reversed(seq.block_table):
-            if self.pool.unref(block_id):
-                if self.blocks[block_id].key is not None:
-                    self.policy.add(block_id)
-                else:
-                    self.pool.release(block_id)
+            self._unref(block_id)
         seq.block_table = []
         seq.num_computed = 0
         seq.hashed_blocks = 0
