@@ -127,6 +127,43 @@ def test_step_policy_evicts_dynamic_then_furthest_agent_then_lru_leaves_only():
     assert m2.blocks[first].parent is not None  # the second block (the leaf), not the root one
 
 
+def _scan_victim(m):
+    """The step-aware order by a plain scan of every idle block (what the heap must match)."""
+    released = m.policy._released
+    leaves = [b for b in released if m.is_leaf(b)] or list(released)
+    return min((m.rank(b) + (released[b],), b) for b in leaves)[1]
+
+
+def test_step_policy_heap_picks_what_a_full_scan_picks():
+    """Random agents, hints, shared prefixes, hits and evictions: every victim the heap picks
+    (and every peeked rank) equals a brute-force scan over all idle blocks."""
+    rng = random.Random(7)
+    m = BlockManager(48, 2, "sha256:base", policy=StepAwarePolicy())
+    prefixes = [[rng.randrange(50) for _ in range(rng.choice([2, 4, 6]))] for _ in range(5)]
+    checked = 0
+    for i in range(300):
+        agent = rng.choice("abcdef")
+        tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(0, 5))]
+        steps = {a: rng.randint(1, 6) for a in rng.sample("abcdef", 3)}
+        seq = _seq(tokens, f"r{i}", agent, rng.choice([None, 2, 4]), steps)
+        seq.agent = m.agents.on_request(seq.hints)
+        while True:  # evict what allocate would, checking each choice against the scan
+            if m.pool.num_free >= m.blocks_needed(len(seq)) or not len(m.policy):
+                break
+            expected = _scan_victim(m)
+            assert m.policy.peek_rank() == m.rank(expected)
+            assert m.policy.pop_victim() == expected
+            m._evict(expected)
+            m.pool.release(expected)  # back to the free list (it holds no reference)
+            checked += 1
+        m.allocate(seq)
+        seq.num_computed = len(seq)
+        m.register_computed(seq)
+        m.free(seq)
+        m.agents.on_finish(seq.agent)
+    assert checked > 100
+
+
 # host tier ------------------------------------------------------------------------------------
 def test_host_tier_round_trip_is_bit_identical_and_demand_outranks_prefetch():
     kv = torch.randn(2, 3, 8, 4, 2, 5)

@@ -28,6 +28,7 @@ class AgentTable:
         self.running: dict[AgentKey, int] = {}  # calls in flight per agent
         self.fixed_keys: dict[AgentKey, list[bytes]] = {}  # block keys of the agent's fixed prompt
         self._last_prompt: dict[AgentKey, list[bytes]] = {}
+        self.version = 0  # bumped whenever an agent's steps may change (ranks are recomputed)
 
     def steps_of(self, agent: AgentKey) -> float:
         return 0 if self.running.get(agent) else self.steps.get(agent, math.inf)
@@ -36,6 +37,8 @@ class AgentTable:
         """A request arrived: record what its hints say about its workflow."""
         workflow = hints.workflow_id or ""
         own = hints.agent_key
+        if own is not None or hints.steps_to_execution:
+            self.version += 1
         for agent, steps in hints.steps_to_execution.items():
             key = (workflow, agent)
             if key == own:
@@ -64,6 +67,7 @@ class AgentTable:
         if agent is None or not self.running.get(agent):
             return
         self.running[agent] -= 1
+        self.version += 1
         if not self.running[agent]:
             del self.running[agent]
             self.steps[agent] = self.after_call.pop(agent, math.inf)

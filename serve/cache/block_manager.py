@@ -40,6 +40,8 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     evictions: int = 0
     host_hit_tokens: int = 0  # of hit_tokens, those loaded back from the host tier
+    # of hit_tokens, by the kind of KV reused (KVLayout.reuse_kind): what sharing saved
+    hit_tokens_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KVLayout.reuse_kinds, 0))
 
 
 @dataclass
@@ -78,7 +80,8 @@ class BlockManager:
         self.pinned_seqs: dict[str, Sequence] = {}
         self.index.clear()
         self.policy = type(self.policy)()  # a fresh policy of the engine's kind
-        self.policy.bind(self.rank, self.is_leaf)
+        self._readers_changed = 0  # bumped when an idle block gains a reader
+        self.policy.bind(self.rank, self.is_leaf, self.rank_version)
         self.stats = CacheStats()
 
     # what the policy ranks by ---------------------------------------------------------------
@@ -89,6 +92,10 @@ class BlockManager:
         if not readers:
             return (0, 0.0)
         return (1, -min(self.agents.steps_of(agent) for agent in readers))
+
+    def rank_version(self) -> tuple[int, int]:
+        """Changes whenever any idle block's rank may have changed (agents' steps, readers)."""
+        return (self.agents.version, self._readers_changed)
 
     def is_leaf(self, block_id: int) -> bool:
         """No cached block continues this one's chain (so evicting it strands nothing)."""
@@ -163,7 +170,8 @@ class BlockManager:
         PrefixLoading (after starting the loads) if part of its prefix is in the host tier.
         """
         length = len(seq)
-        keys = [key for _, _, key in self._keys(seq, length)]
+        chain = list(self._keys(seq, length))
+        keys = [key for _, _, key in chain]
         if seq.agent is not None and seq.fixed_blocks is None:  # once: retries must not relearn
             seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
                                                         seq.hints.fixed_prefix_tokens, self.block_size)
@@ -200,11 +208,17 @@ class BlockManager:
         self.stats.queried_tokens += len(seq.prompt)
         self.stats.hit_tokens += min(seq.num_computed, len(seq.prompt))
         self.stats.host_hit_tokens += min(seq.loaded_blocks * self.block_size, len(seq.prompt))
+        for index, owner, _ in chain[:len(hits)]:  # the same prompt tokens, by whose KV they reused
+            tokens = min((index + 1) * self.block_size, len(seq.prompt)) - index * self.block_size
+            if tokens > 0:
+                self.stats.hit_tokens_by_kind[self.layout.reuse_kind(seq, owner)] += tokens
 
     def _mark_read(self, seq: Sequence, index: int, block_id: int) -> None:
         """Record that ``seq``'s agent reads this block as part of its fixed prompt."""
         if seq.agent is not None and index < seq.fixed_blocks:
             info = self.blocks[block_id]
+            if block_id in self.policy and (seq.agent not in info.readers or info.dynamic):
+                self._readers_changed += 1
             info.readers.add(seq.agent)
             info.dynamic = False
 

@@ -7,6 +7,7 @@ unreferenced) and does the eviction. Small strategy classes picked by name, as i
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -36,9 +37,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
-    def bind(self, rank: Callable[[int], tuple], is_leaf: Callable[[int], bool]) -> None:
-        """Receive the block manager's view of a block: its rank (lower goes first) and
-        whether no cached block descends from it. Policies that ignore both need not care."""
+    def bind(self, rank: Callable[[int], tuple], is_leaf: Callable[[int], bool],
+             version: Callable[[], object] | None = None) -> None:
+        """Receive the block manager's view of a block: its rank (lower goes first), whether
+        no cached block descends from it, and a value that changes whenever ranks may have
+        changed. Policies that ignore them need not care."""
 
     def peek_rank(self) -> tuple | None:
         """The rank of the block :meth:`pop_victim` would take (None: unranked policy)."""
@@ -72,35 +75,70 @@ class StepAwarePolicy(EvictionPolicy):
     next call is furthest away, least recently released as the tie-break; only blocks with
     no cached descendant are candidates (evicting an inner block would strand its subtree).
 
-    The rank of a block changes as hints arrive, so it is computed when a victim is chosen
-    (a scan over the idle blocks: a few thousand at most, once per evicted block)."""
+    Candidates sit in a heap keyed by (rank, release order). A rank changes only when the
+    agents' steps or a block's readers change, which the block manager reports through its
+    ``version``; the heap is rebuilt then (once per request, not per eviction), so choosing a
+    victim costs O(log n) instead of a scan of every idle block. Removed blocks leave stale
+    entries that are skipped when they surface; inner blocks met on the way are set aside and
+    pushed back, since evicting their last child makes them candidates."""
 
     def __init__(self):
         self._released: dict[int, int] = {}  # block id -> release counter (recency)
         self._clock = itertools.count()
         self._rank: Callable[[int], tuple] = lambda block_id: ()
         self._is_leaf: Callable[[int], bool] = lambda block_id: True
+        self._version: Callable[[], object] = lambda: None
+        self._heap: list[tuple[tuple, int, int]] = []  # (rank, release counter, block id)
+        self._heap_version: object = None
 
-    def bind(self, rank, is_leaf) -> None:
+    def bind(self, rank, is_leaf, version=None) -> None:
         self._rank, self._is_leaf = rank, is_leaf
+        if version is not None:
+            self._version = version
+        self._heap_version = object()  # unlike any version: rebuild on first use
 
     def add(self, block_id: int) -> None:
-        self._released[block_id] = next(self._clock)
+        counter = next(self._clock)
+        self._released[block_id] = counter
+        heapq.heappush(self._heap, (self._rank(block_id), counter, block_id))
 
     def remove(self, block_id: int) -> None:
-        self._released.pop(block_id, None)
+        self._released.pop(block_id, None)  # its heap entry goes stale
 
-    def _victim(self) -> tuple[tuple, int]:
-        leaves = [b for b in self._released if self._is_leaf(b)] or list(self._released)
-        return min((self._rank(b) + (self._released[b],), b) for b in leaves)
+    def _rebuild_if_stale(self) -> None:
+        version = self._version()
+        if version != self._heap_version or len(self._heap) > 4 * len(self._released) + 64:
+            self._heap = [(self._rank(b), c, b) for b, c in self._released.items()]
+            heapq.heapify(self._heap)
+            self._heap_version = version
+
+    def _victim(self) -> tuple[tuple, int, int] | None:
+        """The heap entry of the block to evict next (left in the heap), or None if empty."""
+        self._rebuild_if_stale()
+        heap, inner, found = self._heap, [], None
+        while heap:
+            entry = heap[0]
+            if self._released.get(entry[2]) != entry[1]:
+                heapq.heappop(heap)  # removed, or re-added since with a newer counter
+            elif self._is_leaf(entry[2]):
+                found = entry
+                break
+            else:
+                inner.append(heapq.heappop(heap))
+        if found is None and inner:
+            found = inner[0]  # no leaf at all: the lowest-ranked block (as a plain scan would)
+        for entry in inner:
+            heapq.heappush(heap, entry)
+        return found
 
     def pop_victim(self) -> int:
-        block_id = self._victim()[1]
+        block_id = self._victim()[2]
         del self._released[block_id]
         return block_id
 
     def peek_rank(self) -> tuple | None:
-        return self._victim()[0][:-1] if self._released else None
+        entry = self._victim()
+        return None if entry is None else entry[0]
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._released
