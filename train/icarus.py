@@ -12,6 +12,8 @@ the model's forward down to each attention call. Any Llama-family model works.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,14 +40,28 @@ def enable_icarus_attention(model) -> None:
     base.set_attn_implementation(ATTENTION_NAME)
 
 
+@contextmanager
+def _without_checkpointing(model):
+    """Switch gradient checkpointing off for a gradient-free pass: a checkpointed layer in
+    training mode drops its cache (transformers sets ``past_key_values=None``), and the
+    encoder pass exists to fill one. Nothing is recomputed there anyway (no backward)."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
+
+
 @torch.no_grad()
 def encode_base_kv(peft_model, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None) -> KV:
     """Every layer's (key, value) from the frozen base: the adapter is switched off."""
-    with peft_model.disable_adapter():
-        out = peft_model.get_base_model()(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=True
-        )
+    base = peft_model.get_base_model()
+    with peft_model.disable_adapter(), _without_checkpointing(base):
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
     return [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
 

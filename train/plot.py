@@ -25,7 +25,7 @@ def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] 
         raise KvshareError(f"{len(labels)} labels for {len(runs)} runs")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, run in enumerate(runs):
-        rows = read_metrics(Path(run))
+        rows = [r for r in read_metrics(Path(run)) if "loss" in r]  # eval records have none
         label = labels[i] if labels else Path(run).name
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label)
     ax.set_xlabel("optimizer step")

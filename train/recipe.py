@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..yamlspec import load_spec
 from ..kinds import AdapterKind, kind_spec
+from .evaluation import EVAL_TASKS
 
 
 
@@ -96,16 +97,34 @@ class TrainSpec(_Strict):
     mixed_precision: Literal["no", "bf16", "auto"] = "no"  # auto: bf16 only where it is fast
     log_every: int = Field(10, ge=1)
     save_every: int = Field(100, ge=1)
+    # recompute activations in the backward pass instead of keeping them (less memory, ~30% slower)
+    gradient_checkpointing: bool = False
+    # experiment trackers that receive every metrics.jsonl record (which stays the source of truth)
+    report_to: list[Literal["tensorboard", "trackio"]] = Field(default_factory=list)
+    # score the adapter through the serving engine every N steps on the first eval_limit items
+    eval_every: int | None = Field(None, ge=1)
+    eval_task: str | None = None
+    eval_limit: int = Field(20, ge=1)
+    eval_max_tokens: int | None = Field(None, ge=1)
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, value):
         return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker(cls, value):
+        return [value] if isinstance(value, str) else value  # report_to: tensorboard
+
     @model_validator(mode="after")
     def _length(self):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of max_steps or epochs")
+        if (self.eval_every is None) != (self.eval_task is None):
+            raise ValueError("eval_every and eval_task go together")
+        if self.eval_task is not None and self.eval_task not in EVAL_TASKS:
+            raise ValueError(f"unknown eval_task {self.eval_task!r} (known: {', '.join(EVAL_TASKS)})")
         return self
 
 
@@ -125,17 +144,19 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 
 # Keys that may change between a run and its resumption: they do not alter what is trained.
-RESUME_FREE_KEYS = ("notes", "output_dir", "train.log_every", "train.save_every")
+RESUME_FREE_KEYS = ("notes", "output_dir", "train.log_every", "train.save_every", "train.report_to",
+                    "train.eval_", "train.gradient_checkpointing")
 
 
 def recipe_drift(saved: dict, recipe: Recipe) -> list[str]:
     """Dotted keys whose values differ between a run's stored recipe and ``recipe``."""
-    old, new = _flatten(saved), _flatten(recipe.model_dump(mode="json"))
+    old, new = flatten(saved), flatten(recipe.model_dump(mode="json"))
     return sorted(k for k in old.keys() | new.keys()
                   if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS))
 
 
-def _flatten(value, prefix: str = "") -> dict:
+def flatten(value, prefix: str = "") -> dict:
+    """Nested dicts (and lists holding them) as ``{"dotted.key": leaf}``."""
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
@@ -144,5 +165,5 @@ def _flatten(value, prefix: str = "") -> dict:
         return {prefix: value}
     out: dict = {}
     for key, inner in items:
-        out.update(_flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
+        out.update(flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
     return out

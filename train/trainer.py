@@ -8,6 +8,7 @@ resumption must be exact and pickle-free; the loop stays small enough to read in
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import sys
@@ -27,9 +28,10 @@ from ..kinds import kind_spec
 from . import checkpoint as ckpt
 from .collate import collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
+from .evaluation import evaluate_adapter
 from .icarus import enable_icarus_attention, icarus_forward
 from .metrics import truncate_metrics
-from .recipe import Recipe, recipe_drift
+from .recipe import Recipe, flatten, recipe_drift
 from .rng import save_rng
 
 
@@ -69,6 +71,16 @@ def build_model(recipe: Recipe, base_dir: Path):
     if kind_spec(spec.kind).base_kv_only:
         enable_icarus_attention(model)
     return model, tokenizer, invocation
+
+
+def _enable_checkpointing(base) -> None:
+    """Activation checkpointing on every decoder layer, non-reentrant (works with frozen
+    inputs, no ``enable_input_require_grads``, and with keyword arguments such as ICaRus's)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers' name since 5.x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def make_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -139,9 +151,13 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     precision = resolve_mixed_precision(recipe.train.mixed_precision)
     if recipe.train.mixed_precision == "bf16":
         warn_if_bf16_is_slow("train.mixed_precision bf16")
-    accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
-    main = accel.is_main_process
     run_dir = Path(recipe.output_dir)
+    for tracker in recipe.train.report_to:
+        if importlib.util.find_spec(tracker) is None:
+            raise KvshareError(f"train.report_to: {tracker} is not installed (pip install 'kvshare[tracking]')")
+    accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(),
+                        log_with=list(recipe.train.report_to) or None, project_dir=str(run_dir / "logs"))
+    main = accel.is_main_process
     resume = resume or force_resume
     resume_from = resume_point(recipe, run_dir, force=force_resume, warn=main) if resume else None
     if not resume and (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
@@ -150,6 +166,8 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     set_seed(recipe.train.seed)
     base_dir = resolve_model_dir(recipe.base_model)
     model, tokenizer, invocation = build_model(recipe, base_dir)
+    if recipe.train.gradient_checkpointing:
+        _enable_checkpointing(model.get_base_model())
     examples = load_examples(recipe)
     items, stats = tokenize_all(examples, tokenizer, recipe.data.max_length,
                                 invocation=invocation, system_prompt=recipe.data.system_prompt)
@@ -178,6 +196,16 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         run_dir.mkdir(parents=True, exist_ok=True)
         truncate_metrics(metrics_path, state["step"])
         write_text_atomic(run_dir / "recipe.resolved.json", json.dumps(resolved, indent=1))
+    if recipe.train.report_to:
+        accel.init_trackers(recipe.name, config=tracker_config(resolved))
+
+    def log(record: dict) -> None:
+        """Append to metrics.jsonl (the source of truth), then hand to the trackers."""
+        if main:
+            with open(metrics_path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        if recipe.train.report_to:
+            accel.log(tracker_values(record), step=record["step"])
 
     def forward(batch):
         if kind_spec(recipe.adapter.kind).base_kv_only:
@@ -188,6 +216,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
                file=sys.stderr, dynamic_ncols=True)
     window: list[float] = []
+    last_eval = None
     last_loss = float("nan")  # mean loss of the last logged window: the run's final loss
     started = time.perf_counter() - state["seconds"]
     window_start, window_tokens = time.perf_counter(), 0
@@ -232,13 +261,17 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
                       "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                       "seconds": now - started}
             last_loss = record["loss"]
-            if main:
-                with open(metrics_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+            log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
             window, window_start, window_tokens = [], now, 0
         bar.update(1)
+        if tp.eval_every and state["step"] % tp.eval_every == 0:
+            if main:
+                last_eval = {"step": state["step"], "eval": _evaluate_now(recipe, peft_model, run_dir,
+                                                                          base_dir, state["step"])}
+                log(last_eval)
+            accel.wait_for_everyone()
         if state["step"] % tp.save_every == 0 or state["step"] == limit:
             state["seconds"] = time.perf_counter() - started
             _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank, resolved)
@@ -254,6 +287,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         "ranks_in_sync": len(set(digests)) == 1,
         "examples": len(examples), "data": asdict(stats) | {"dropped_ids": stats.dropped_ids[:20]},
         "finished": state["step"] >= total,
+        "last_eval": last_eval,
     }
     if main:
         if not summary["ranks_in_sync"]:
@@ -281,16 +315,42 @@ def _save(run_dir: Path, accel, peft_model, optimizer, scheduler, state: dict, r
 
 
 def _export(recipe: Recipe, recipe_path, peft_model, run_dir: Path, base_dir: Path, summary) -> Path:
-    from ..export import export_adapter
-
-    final = run_dir / "final"
-    peft_model.save_pretrained(str(final))
     provenance = {"recipe": recipe_path, "data": [s.label for s in recipe.data.sources],
                   "steps": summary["steps"], "seed": recipe.train.seed,
                   "final_loss": summary["final_loss"], "train_seconds": round(summary["train_seconds"], 1)}
-    return export_adapter(final, kind=recipe.adapter.kind, base=recipe.base_model,
-                          out=run_dir / "adapter", name=recipe.name,
+    return _export_to(recipe, peft_model, run_dir / "final", run_dir / "adapter", provenance)
+
+
+def _export_to(recipe: Recipe, peft_model, peft_dir: Path, out: Path, provenance: dict) -> Path:
+    from ..export import export_adapter
+
+    peft_model.save_pretrained(str(peft_dir))
+    return export_adapter(peft_dir, kind=recipe.adapter.kind, base=recipe.base_model, out=out, name=recipe.name,
                           invocation=recipe.adapter.invocation, provenance=provenance, force=True)
+
+
+def _evaluate_now(recipe: Recipe, peft_model, run_dir: Path, base_dir: Path, step: int) -> dict:
+    """Export the adapter as it stands and score it through the engine (train/evaluation.py)."""
+    folder = run_dir / "eval" / f"step-{step}"
+    adapter = _export_to(recipe, peft_model, folder / "peft", folder / "adapter", {"steps": step})
+    tp = recipe.train
+    return evaluate_adapter(adapter, str(base_dir), tp.eval_task, tp.eval_limit, tp.eval_max_tokens, folder)
+
+
+def tracker_config(resolved: dict) -> dict:
+    """The recipe as flat ``key: scalar`` pairs (what tensorboard's hparams and trackio take)."""
+    return {key: value if isinstance(value, (bool, int, float, str)) or value is None else json.dumps(value)
+            for key, value in flatten(resolved).items()}
+
+
+def tracker_values(record: dict) -> dict:
+    """A metrics record as tracker scalars: ``loss``, ``lr``, ..., and ``eval/<task>/<metric>``."""
+    values = {k: v for k, v in record.items() if k not in ("step", "eval") and isinstance(v, (int, float))}
+    if "eval" in record:
+        task = record["eval"]["task"]
+        values.update({f"eval/{task}/{k}": v for k, v in record["eval"].items()
+                       if k not in ("task",) and isinstance(v, (int, float))})
+    return values
 
 
 class _null:
