@@ -1,13 +1,16 @@
 """Kernel implementations by (operation, backend), and each engine's own selection.
 
 Implementations register process-wide (the plain-torch references here; Triton ones when
-Triton and a GPU are present); *selection* is per engine (:class:`Kernels`), so two engines
+Triton and a GPU are present, or Triton's CPU interpreter is on); *selection* is per engine (:class:`Kernels`), so two engines
 in one process can run different backends. Every backend is tested against the reference.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
+
+import torch
 
 from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
 from .attention import paged_attention_ref, write_kv_ref
@@ -34,12 +37,39 @@ def register(name: str, backend: str, fn: Callable) -> None:
     _IMPLEMENTATIONS[(name, backend)] = fn
 
 
+def register_triton() -> bool:
+    """Register the Triton kernels as backend "triton" where they can run: Triton installed
+    and a GPU present, or ``TRITON_INTERPRET=1`` (Triton's interpreter on CPU, for tests).
+
+    Called at import; callable again (idempotent) after setting the variable. Returns
+    whether the backend is registered.
+    """
+    if ("paged_attention", "triton") in _IMPLEMENTATIONS:
+        return True
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        from . import triton as kernels
+    except ModuleNotFoundError as exc:  # Triton not installed (the "kernels" extra)
+        if (exc.name or "").split(".")[0] != "triton":
+            raise
+        return False
+
+    register("paged_attention", "triton", kernels.paged_attention)
+    register("write_kv", "triton", kernels.write_kv)
+    register("gathered_lora", "triton", kernels.gathered_lora)
+    return True
+
+
 def backends(name: str) -> list[str]:
     return sorted(b for (n, b) in _IMPLEMENTATIONS if n == name)
 
 
 def all_backends() -> list[str]:
     return sorted({b for (_, b) in _IMPLEMENTATIONS})
+
+
+register_triton()
 
 
 class Kernels:

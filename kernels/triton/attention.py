@@ -1,0 +1,166 @@
+"""Paged attention and the KV write as Triton kernels (drop-in for the torch references).
+
+Attention: one program per (sequence, block of that sequence's query rows, KV head). Its
+query tile holds every query head that shares the KV head for each of its rows (GQA, as in
+SGLang's grouped decode kernel), flattened to ``rows x group`` lines, so each K/V tile is
+read once per KV head for all of them: an ICaRus pair (base and adapter row of one token)
+costs one pass over the keys, not one per row or per head, and a prefill chunk one pass per
+tile of 64 / group rows (each tile stops at its own last row's keys). Each line
+stops at its own row's position (``positions``), so decode rows, read-only rows, ICaRus
+pairs and prefill chunks that continue cached context mix in one launch. Keys are found
+through the block tables; softmax is computed online (flash attention), in float32.
+
+No split over the key axis (flash decoding) yet: a long decode with few sequences leaves a
+large GPU underused.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..metadata import AttentionMetadata
+from ._common import dot_precision, inner_contiguous, require_gpu_tensor
+
+_TILE_LINES = 64  # query lines (rows x heads of a group) per program; >= 16 for tl.dot
+_BLOCK_N = 32  # keys per step of the loop over a sequence's context
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, positions_ptr, loc_ptr, tables_ptr,
+    stride_qr, stride_qh, stride_or, stride_oh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    stride_table, block_size, scale,
+    GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    row_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    first = tl.load(loc_ptr + seq)
+    last = tl.load(loc_ptr + seq + 1)
+    row_start = first + row_block * ROWS
+    if row_start < last:
+        lines = tl.arange(0, ROWS * HEADS_PAD)
+        rows = row_start + lines // HEADS_PAD
+        heads = kv_head * GROUP + lines % HEADS_PAD
+        line_ok = (rows < last) & (lines % HEADS_PAD < GROUP)
+        dims = tl.arange(0, DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(q_ptr + rows[:, None] * stride_qr + heads[:, None] * stride_qh + dims[None, :],
+                    mask=line_ok[:, None] & dim_ok[None, :], other=0.0)
+        # a line outside the tile's rows sees no key (-1); the loop ends after the last
+        # key any row of the tile may see
+        limit = tl.load(positions_ptr + rows, mask=line_ok, other=-1)
+        end = tl.max(limit, axis=0) + 1
+        best = tl.full([ROWS * HEADS_PAD], -1.0e30, tl.float32)  # finite: no inf - inf
+        total = tl.zeros([ROWS * HEADS_PAD], tl.float32)
+        acc = tl.zeros([ROWS * HEADS_PAD, DIM_PAD], tl.float32)
+        keys = tl.arange(0, BLOCK_N)
+        for start in range(0, end, BLOCK_N):
+            key = start + keys
+            key_ok = key < end
+            block = tl.load(tables_ptr + seq * stride_table + key // block_size, mask=key_ok, other=0)
+            block = block.to(tl.int64)  # block * stride may pass 2**31 in a large cache
+            offset = key % block_size
+            kv_ok = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko
+                        + kv_head * stride_kh + dims[None, :], mask=kv_ok, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+            scores = tl.where(key[None, :] <= limit[:, None], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            probs = tl.exp(scores - new_best[:, None])
+            keep = tl.exp(best - new_best)
+            v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo
+                        + kv_head * stride_vh + dims[None, :], mask=kv_ok, other=0.0)
+            acc = acc * keep[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            total = total * keep + tl.sum(probs, axis=1)
+            best = new_best
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None] & dim_ok[None, :])
+
+
+INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)  # set by TRITON_INTERPRET at import
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V."""
+    rows, n_q, d = q.shape
+    n_kv = k_cache.shape[2]
+    if n_q % n_kv:
+        raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
+    require_gpu_tensor(q, INTERPRETED)
+    out = torch.empty_like(q)
+    if rows == 0 or not meta.seq_bounds:
+        return out
+    q = inner_contiguous(q)
+    k_cache, v_cache = inner_contiguous(k_cache), inner_contiguous(v_cache)
+    group = n_q // n_kv
+    heads_pad = triton.next_power_of_2(group)
+    most_rows = max(end - start for start, end in meta.seq_bounds)  # host-side: no device read
+    tile_rows = max(1, min(triton.next_power_of_2(most_rows), _TILE_LINES // heads_pad))
+    tile_rows = max(tile_rows, 16 // heads_pad)  # tl.dot wants at least 16 lines
+    tables = meta.block_tables
+    grid = (len(meta.seq_bounds), triton.cdiv(most_rows, tile_rows), n_kv)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, meta.positions, meta.query_start_loc, tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tables.stride(0), meta.block_size, scale,
+        GROUP=group, HEADS_PAD=heads_pad, ROWS=tile_rows, HEAD_DIM=d,
+        DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
+    )
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kr, stride_vr,
+                     stride_kb, stride_ko, stride_vb, stride_vo, block_size, width,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:  # -1: a read-only row, nothing to store
+        block = slot // block_size
+        offset = slot % block_size
+        cols = part * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        k = tl.load(k_ptr + row * stride_kr + cols, mask=ok)
+        v = tl.load(v_ptr + row * stride_vr + cols, mask=ok)
+        tl.store(k_cache_ptr + block * stride_kb + offset * stride_ko + cols,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_cache_ptr + block * stride_vb + offset * stride_vo + cols,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor, write_rows: torch.Tensor | None = None) -> None:
+    """Store rows' K/V at flat slot indices (block * block_size + offset); -1 = do not store.
+
+    Every row gets a program that reads its own slot, so ``write_rows`` (which the torch
+    reference uses to avoid a boolean filter) is not needed here; it is accepted for the
+    same signature.
+    """
+    require_gpu_tensor(k, INTERPRETED)
+    rows = k.shape[0]
+    if rows == 0:
+        return
+    width = k.shape[1] * k.shape[2]  # a slot's kv_heads x head_dim values are contiguous
+    k, v = k.reshape(rows, width), v.reshape(rows, width)
+    k, v = inner_contiguous(k), inner_contiguous(v)
+    for cache in (k_cache, v_cache):
+        if cache.stride(2) != cache.shape[3] or cache.stride(3) != 1:
+            raise ValueError("a KV cache slot must be contiguous (kv_heads, head_dim)")
+    block = min(triton.next_power_of_2(width), 1024)
+    _write_kv_kernel[(rows, triton.cdiv(width, block))](
+        k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.shape[1], width, BLOCK=block,
+    )
+

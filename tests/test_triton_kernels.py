@@ -1,0 +1,218 @@
+"""Triton kernels against the torch references (Triton's interpreter on CPU without a GPU).
+
+Random block layouts, partial last blocks, GQA ratios, decode / prefill-chunk / mixed
+batches, ICaRus pairs, multi-adapter LoRA with rows and adapters that do not adapt.
+Shapes stay small: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvshare.kernels import Kernels, build_attention_metadata  # noqa: E402
+from kvshare.kernels.lora import lora_groups  # noqa: E402
+from kvshare.kernels.registry import register_triton  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+if not register_triton():  # kvshare.kernels may have been imported before the variable was set
+    pytest.skip("the triton backend cannot run here", allow_module_level=True)
+
+import kvshare.kernels.triton as tk  # noqa: E402
+
+DEVICE = "cpu" if tk.INTERPRETED else "cuda"
+REF = Kernels("torch")
+FAST = Kernels("triton")
+
+
+def random_batch(gen, block_size: int, n_blocks: int, sequences: list[tuple[int, list[int]]]):
+    """Block tables from shuffled free blocks and rows per (cached tokens, row positions).
+
+    A sequence's first row at a position past its cached tokens writes that K/V; rows at
+    cached positions, and the second row of an ICaRus pair, are read-only (-1).
+    """
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    tables, row_seq, positions, slots = [], [], [], []
+    for s, (cached, pos) in enumerate(sequences):
+        length = max(cached, max(pos) + 1)
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        tables.append(table)
+        for i, p in enumerate(pos):
+            row_seq.append(s)
+            positions.append(p)
+            writes = p >= cached and p not in pos[:i]
+            slots.append(table[p // block_size] * block_size + p % block_size if writes else -1)
+    return tables, row_seq, positions, slots
+
+
+SCENARIOS = {
+    # (cached tokens, row positions) per sequence
+    "decode": [(5, [5]), (12, [12]), (1, [1]), (8, [8])],
+    "prefill-chunks": [(0, list(range(7))), (6, list(range(6, 11)))],  # from 0; continuing cached context
+    "mixed": [(0, list(range(5))), (9, [9]), (3, [3, 3]), (4, [2]), (7, list(range(7, 10)))],
+    "icarus-pairs": [(6, [6, 6]), (13, [13, 13]), (0, [0, 0])],  # base + adapter row of one token
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("n_q,n_kv", [(2, 2), (6, 2), (4, 1)], ids=["gqa1", "gqa3", "gqa4"])
+def test_write_and_attention_equal_the_reference(scenario, n_q, n_kv):
+    gen = torch.Generator().manual_seed(list(SCENARIOS).index(scenario) * 10 + n_q)
+    block_size, n_blocks, d = 4, 16, 8
+    tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, SCENARIOS[scenario])
+    meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
+    k_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    rows = len(row_seq)
+    q = torch.randn(rows, n_q, d, generator=gen).to(DEVICE)
+    k = torch.randn(rows, n_kv, d, generator=gen).to(DEVICE)
+    v = torch.randn(rows, n_kv, d, generator=gen).to(DEVICE)
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    REF.write_kv(ref_k, ref_v, k, v, meta.slot_mapping, meta.write_rows)
+    FAST.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.write_rows)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+    want = REF.paged_attention(q, ref_k, ref_v, meta, d ** -0.5)
+    got = FAST.paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_reads_a_strided_layer_of_the_engine_cache():
+    """The engine passes kv_cache[0, layer] views; a row's rows past the tile size split
+    into several programs (a prefill longer than one tile)."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, n_blocks, n_kv, n_q, d = 3, 24, 1, 4, 16
+    tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, [(0, list(range(21))), (4, [4])])
+    meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
+    cache = torch.randn(2, 2, n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    q = torch.randn(len(row_seq), n_q, d, generator=gen).to(DEVICE)
+    want = REF.paged_attention(q, cache[0, 1], cache[1, 1], meta, 0.3)
+    got = FAST.paged_attention(q, cache[0, 1], cache[1, 1], meta, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        tk.INTERPRETED, reason="Triton 3.9's interpreter computes bfloat16 tl.dot wrongly")),
+])
+def test_model_dtype_tensors_through_every_kernel(dtype):
+    """The engine's own dtype end to end (bfloat16 on a GPU): K/V written, attended, adapted."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, n_blocks, n_kv, n_q, d = 4, 8, 2, 4, 16
+    tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, [(0, [0, 1, 2]), (5, [5, 5])])
+    meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
+    rows = len(row_seq)
+    cache = torch.randn(2, n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE, dtype)
+    q, k, v = (torch.randn(rows, h, d, generator=gen).to(DEVICE, dtype) for h in (n_q, n_kv, n_kv))
+    ref_cache = cache.clone()
+    REF.write_kv(ref_cache[0], ref_cache[1], k, v, meta.slot_mapping, meta.write_rows)
+    FAST.write_kv(cache[0], cache[1], k, v, meta.slot_mapping, meta.write_rows)
+    assert torch.equal(cache, ref_cache)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    got = FAST.paged_attention(q, cache[0], cache[1], meta, d ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, REF.paged_attention(q, cache[0], cache[1], meta, d ** -0.5), **tolerance)
+    weights = [(torch.randn(4, n_q * d, generator=gen).to(DEVICE, dtype) / 8,
+                torch.randn(n_q * d, 4, generator=gen).to(DEVICE, dtype) / 2, 2.0)]
+    x, base = got.reshape(rows, -1), torch.randn(rows, n_q * d, generator=gen).to(DEVICE, dtype)
+    groups = lora_groups([0, -1, 0, 0, -1], DEVICE)
+    lora = FAST.gathered_lora(x, base, groups, weights)
+    assert lora.dtype == dtype
+    torch.testing.assert_close(lora, REF.gathered_lora(x, base, groups, weights), **tolerance)
+
+
+def lora_weights(gen, ranks: list[int | None], d_in: int, d_out: int):
+    return [None if r is None else (torch.randn(r, d_in, generator=gen).to(DEVICE),
+                                    torch.randn(d_out, r, generator=gen).to(DEVICE), 0.5 + s)
+            for s, r in enumerate(ranks)]
+
+
+def test_gathered_lora_equals_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    d_in, d_out, rows = 40, 36, 21
+    # slot 1 does not adapt this projection; ranks differ (stacked zero-padded)
+    weights = lora_weights(gen, [4, None, 8, 3], d_in, d_out)
+    slots = torch.randint(-1, 4, (rows,), generator=gen).tolist()
+    slots[:4] = [-1, 1, 0, 3]
+    slots[4:] = [2 if s == 3 else s for s in slots[4:]]  # slot 2 has > 16 rows: two row tiles
+    x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
+    base = torch.randn(rows, d_out, generator=gen).to(DEVICE)
+    groups = lora_groups(slots, DEVICE)
+    kept = base.clone()
+    got = FAST.gathered_lora(x, base, groups, weights)
+    torch.testing.assert_close(got, REF.gathered_lora(x, base, groups, weights), atol=1e-4, rtol=1e-5)
+    assert torch.equal(base, kept)  # out of place, like the reference
+    unadapted = [r for r, s in enumerate(slots) if s in (-1, 1)]
+    assert torch.equal(got[unadapted], base[unadapted])
+    # only adapters that leave the projection alone: nothing to add
+    assert torch.equal(FAST.gathered_lora(x, base, lora_groups([1] * rows, DEVICE), weights), base)
+
+
+def test_lora_shrink_writes_into_a_given_buffer():
+    """x·A lands in the caller's buffer at the rows it names; other rows stay untouched."""
+    gen = torch.Generator().manual_seed(1)
+    weights = lora_weights(gen, [None, 5, 2], 24, 8)
+    slots = [2, -1, 1, 1, 2]
+    x = torch.randn(len(slots), 24, generator=gen).to(DEVICE)
+    groups = lora_groups(slots, DEVICE)
+    segments = tk.lora_segments(groups, weights)
+    assert tk.lora_segments(groups, weights) is segments  # built once per step's groups
+    assert tk.lora_segments(lora_groups(slots, DEVICE), weights) is not segments  # a new step's rows
+    stacked = tk.stack_lora_weights(weights)
+    assert tk.stack_lora_weights(weights) is stacked  # built once per weights list
+    pool = torch.full((10, 6), 7.0, device=DEVICE)
+    destination = torch.tensor([9, 4, 0, 2], device=DEVICE)  # segment rows: 2, 3 (slot 1), 0, 4 (slot 2)
+    tk.lora_shrink(x, stacked.a, segments, out=pool, out_rows=destination)
+    for row, dest in zip(segments.rows.tolist(), destination.tolist()):
+        a = weights[slots[row]][0]
+        torch.testing.assert_close(pool[dest, :a.shape[0]], x[row] @ a.T, atol=1e-5, rtol=1e-5)
+        assert torch.all(pool[dest, a.shape[0]:5] == 0)  # zero padding past the adapter's rank
+    untouched = [r for r in range(10) if r not in destination.tolist()]
+    assert torch.all(pool[untouched] == 7.0)
+
+
+def test_triton_engine_generates_what_the_torch_engine_generates(tiny_models, tmp_path):
+    """A whole engine on the Triton kernels: a base, a LoRA and an ICaRus request together
+    (paired decode rows, prefill, LoRA over mixed rows) give the same greedy tokens."""
+    from kvshare.export import export_adapter
+    from kvshare.serve import LLM, SamplingParams
+    from kvshare.testing import make_peft_adapter
+
+    base = tiny_models("llama")
+    adapters = []
+    for kind, targets, seed in [("lora", ["q_proj", "v_proj", "down_proj"], 1), ("icarus", ["q_proj", "o_proj"], 2)]:
+        ckpt = make_peft_adapter(base, tmp_path / f"ckpt-{kind}", target_modules=targets, seed=seed)
+        adapters.append(export_adapter(ckpt, kind=kind, base=base, out=tmp_path / kind))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18]]
+    names = [None, "lora", "icarus"]
+
+    def run(kernels: str) -> list[list[int]]:
+        llm = LLM(base, adapters, kv_cache_tokens=256, block_size=4, kernels=kernels, device=DEVICE)
+        engine = llm.engine
+        assert set(engine.runner.kernels.choice.values()) == {kernels, "torch"}  # "linear" stays torch
+        ids = [engine.add_request(p, params, adapter=a) for p, a in zip(prompts, names)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    assert run("triton") == run("torch")
+
+
+def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error():
+    from kvshare.errors import KvshareError
+    from kvshare.kernels.triton._common import require_gpu_tensor
+
+    with pytest.raises(KvshareError, match="need tensors on a GPU"):
+        require_gpu_tensor(torch.zeros(1), interpreted=False)
+    require_gpu_tensor(torch.zeros(1), interpreted=True)  # the interpreter takes CPU tensors
