@@ -16,8 +16,9 @@ from kvshare.errors import KvshareError  # absolute: transformers imports a top-
 from .attention import paged_attention_ref, write_kv_ref
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
+from .residual_attention import residual_attention_ref
 
-OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear")
+OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention")
 
 # "linear" implementations are objects with prepare(weight) (once, at load) and apply(x, w, b)
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
@@ -25,6 +26,7 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("write_kv", "torch"): write_kv_ref,
     ("gathered_lora", "torch"): gathered_lora_ref,
     ("linear", "torch"): TorchLinear,
+    ("residual_attention", "torch"): residual_attention_ref,  # ForkKV; not used by the engine yet
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
@@ -58,6 +60,7 @@ def register_triton() -> bool:
     register("paged_attention", "triton", kernels.paged_attention)
     register("write_kv", "triton", kernels.write_kv)
     register("gathered_lora", "triton", kernels.gathered_lora)
+    register("residual_attention", "triton", kernels.residual_attention)
     return True
 
 
@@ -97,3 +100,4 @@ class Kernels:
         self.write_kv = _IMPLEMENTATIONS[("write_kv", choice["write_kv"])]
         self.gathered_lora = _IMPLEMENTATIONS[("gathered_lora", choice["gathered_lora"])]
         self.linear = _IMPLEMENTATIONS[("linear", choice["linear"])]
+        self.residual_attention = _IMPLEMENTATIONS[("residual_attention", choice["residual_attention"])]

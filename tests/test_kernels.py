@@ -104,7 +104,8 @@ def test_each_engine_uses_its_own_kernels(tiny_models):
     counted = LLM(base, kv_cache_tokens=256, block_size=4, kernels="counting-test")
     plain = LLM(base, kv_cache_tokens=256, block_size=4)
     assert counted.engine.runner.kernels.choice == {"paged_attention": "counting-test", "write_kv": "torch",
-                                                    "gathered_lora": "torch", "linear": "torch"}
+                                                    "gathered_lora": "torch", "linear": "torch",
+                                                    "residual_attention": "torch"}
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     want = plain.generate([[5, 6, 7]], params)[0].token_ids
     assert not calls

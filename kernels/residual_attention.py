@@ -1,0 +1,186 @@
+"""ForkKV's residual attention over two paged pools: the plain-torch reference.
+
+For a LoRA'd K/V projection ``y = x W + scale (x A) B`` ForkKV caches, per layer and token,
+the base part in a *base pool* (``K_base = RoPE(x W_k)``, ``V_base = x W_v``; full KV heads,
+the layout of :mod:`kvshare.kernels.attention`'s pool) that agents share, and only the rank-r
+``R_k = x A_k``, ``R_v = x A_v`` (no RoPE: it cannot be applied at rank r) in a per-agent
+*residual pool* ``(num_blocks, block_size, r)``. Attention rebuilds the keys of each block of
+the loop, ``K = K_base + RoPE(scale R_k B_k)`` (RoPE at the key's own position), but never the
+values: the softmax-weighted sums of ``V_base`` and of ``R_v`` are kept apart under the same
+online-softmax rescaling, and ``scale B_v`` is applied once to the residual sum at the end
+(``P (R_v B_v) = (P R_v) B_v``), so values stay at width r for the whole loop.
+
+A sequence's base and residual parts live in different blocks (the base prefix may be shared
+with other agents while the residual blocks are private), so the residual pool has its own
+block tables (:class:`ResidualMetadata`). Rows are grouped by sequence as in
+:class:`~kvshare.kernels.metadata.AttentionMetadata`, which still gives positions, the base
+block tables and context lengths; each sequence names its adapter (an index into stacked
+``B_k``/``B_v``/scales), so agents with different adapters share one call.
+
+This reference runs the same block loop as the Triton kernel; :func:`reconstruct_kv_ref`
+rebuilds dense K/V for one sequence, which the tests use as the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import write_kv_ref
+from .metadata import AttentionMetadata
+
+
+@dataclass
+class ResidualMetadata:
+    """Where each sequence's residual rows live, beside the base pool's AttentionMetadata."""
+
+    block_tables: torch.Tensor  # (S, max blocks) int32 of the residual pool, padded with 0
+    key_slots: torch.Tensor  # flat residual slots of every sequence's keys, concatenated (reference)
+    seq_adapter: torch.Tensor  # (S,) int32: index into the stacked B_k / B_v / scales
+    block_size: int  # the residual pool's (may differ from the base pool's)
+    host_adapter: list[int]  # seq_adapter on the host (no device reads in the reference)
+
+
+def build_residual_metadata(meta: AttentionMetadata, block_tables: list[list[int]], block_size: int,
+                            seq_adapter: list[int], device: torch.device | str = "cpu") -> ResidualMetadata:
+    """Residual-pool metadata for the sequences of ``meta`` (in its order): sequence s's
+    residual rows are in blocks ``block_tables[s]``, its adapter is ``seq_adapter[s]``."""
+    if len(block_tables) != len(meta.seq_context) or len(seq_adapter) != len(meta.seq_context):
+        raise ValueError("one residual block table and one adapter per sequence")
+    key_slots = []
+    for table, length in zip(block_tables, meta.seq_context):
+        if len(table) * block_size < length:
+            raise ValueError(f"a residual block table of {len(table)} blocks cannot hold {length} keys")
+        key_slots.extend(table[p // block_size] * block_size + p % block_size for p in range(length))
+    width = max(map(len, block_tables), default=0)
+    tables = [table + [0] * (width - len(table)) for table in block_tables]
+    host = [torch.tensor(tables, dtype=torch.int32).reshape(len(tables), width),
+            torch.tensor(key_slots, dtype=torch.long), torch.tensor(seq_adapter, dtype=torch.int32)]
+    dev = [t.to(device, non_blocking=True) for t in host]
+    return ResidualMetadata(*dev, block_size=block_size, host_adapter=list(seq_adapter))
+
+
+def write_residual_ref(k_res_cache: torch.Tensor, v_res_cache: torch.Tensor, r_k: torch.Tensor,
+                       r_v: torch.Tensor, slots: torch.Tensor, write_rows: torch.Tensor | None = None) -> None:
+    """Store rows' ``x A_k``, ``x A_v`` (rows, r) at flat residual slots; -1 = do not store.
+
+    A residual pool is a KV pool whose slot holds r values instead of (kv_heads, head_dim),
+    so this is :func:`~kvshare.kernels.attention.write_kv_ref` on that layout.
+    """
+    if k_res_cache.dim() != 3 or r_k.dim() != 2 or r_k.shape[1] != k_res_cache.shape[2]:
+        raise ValueError("a residual pool is (blocks, block_size, r) and its rows are (rows, r)")
+    write_kv_ref(k_res_cache, v_res_cache, r_k, r_v, slots, write_rows)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Llama's RoPE convention (the engine's model and transformers use the same)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x (keys, heads, d) with cos/sin (keys, d) of each key's position."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def stack_residual_weights(b: torch.Tensor,
+                           scales: torch.Tensor | float | list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(adapters, kv_heads * head_dim, r) B and (adapters,) float32 scales; a single
+    adapter's 2-D B and float scale become a stack of one."""
+    if b.dim() == 2:
+        b = b.unsqueeze(0)
+    scales = torch.as_tensor(scales, dtype=torch.float32, device=b.device).reshape(-1)
+    if b.dim() != 3 or scales.shape[0] != b.shape[0]:
+        raise ValueError("B must be (adapters, kv_heads * head_dim, r) with one scale per adapter")
+    return b, scales
+
+
+def reconstruct_kv_ref(k_base_cache: torch.Tensor, v_base_cache: torch.Tensor, k_res_cache: torch.Tensor,
+                       v_res_cache: torch.Tensor, b_k: torch.Tensor, b_v: torch.Tensor, lora_scale: float,
+                       rope_cos: torch.Tensor, rope_sin: torch.Tensor, base_slots: torch.Tensor,
+                       res_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (keys, kv_heads, head_dim) K and V of one sequence, float32: key p is read from
+    base slot ``base_slots[p]`` and residual slot ``res_slots[p]`` and sits at position p.
+
+    ``b_k``/``b_v`` are one adapter's (kv_heads * head_dim, r) B; ``rope_cos``/``rope_sin``
+    are (positions, head_dim) tables. Materialises everything: an oracle, not a kernel.
+    """
+    n_kv, d = k_base_cache.shape[2:]
+    length = len(base_slots)
+    k_base = k_base_cache.reshape(-1, n_kv, d)[base_slots].float()
+    v_base = v_base_cache.reshape(-1, n_kv, d)[base_slots].float()
+    r_k = k_res_cache.reshape(-1, k_res_cache.shape[-1])[res_slots].float()
+    r_v = v_res_cache.reshape(-1, v_res_cache.shape[-1])[res_slots].float()
+    k_delta = (lora_scale * r_k @ b_k.float().T).reshape(length, n_kv, d)
+    v_delta = (lora_scale * r_v @ b_v.float().T).reshape(length, n_kv, d)
+    cos, sin = rope_cos[:length].float(), rope_sin[:length].float()
+    return k_base + apply_rope(k_delta, cos, sin), v_base + v_delta
+
+
+def residual_attention_ref(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_cache: torch.Tensor,
+                           k_res_cache: torch.Tensor, v_res_cache: torch.Tensor, b_k: torch.Tensor,
+                           b_v: torch.Tensor, lora_scales: torch.Tensor, rope_cos: torch.Tensor,
+                           rope_sin: torch.Tensor, meta: AttentionMetadata, residual: ResidualMetadata,
+                           scale: float) -> torch.Tensor:
+    """Causal GQA attention of query rows (rows, q_heads, d) over ForkKV's two pools.
+
+    ``k/v_base_cache``: (blocks, block_size, kv_heads, d), read through ``meta``'s block
+    tables; ``k/v_res_cache``: (blocks', block_size', r), read through ``residual``'s.
+    ``b_k``, ``b_v``: (adapters, kv_heads * d, r) stacked B (zero-padded to the pool's r);
+    ``lora_scales``: (adapters,); sequence s uses adapter ``residual.seq_adapter[s]``.
+    ``rope_cos``/``rope_sin``: (positions, d) tables of the model's rotary embedding for
+    positions 0..P-1 (P >= every context length). ``scale``: the softmax scale.
+
+    Runs the kernel's loop over base-pool blocks of keys, in float32; returns q's dtype.
+    """
+    n_q, d = q.shape[1], q.shape[2]
+    n_kv = k_base_cache.shape[2]
+    if n_q % n_kv:
+        raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
+    group, rank = n_q // n_kv, k_res_cache.shape[-1]
+    flat_k = k_base_cache.reshape(-1, n_kv, d)
+    flat_v = v_base_cache.reshape(-1, n_kv, d)
+    flat_rk = k_res_cache.reshape(-1, rank)
+    flat_rv = v_res_cache.reshape(-1, rank)
+    out = torch.empty_like(q)
+    offset, step = 0, meta.block_size
+    for s, ((start, end), length) in enumerate(zip(meta.seq_bounds, meta.seq_context)):
+        adapter = residual.host_adapter[s]
+        lora_scale = lora_scales[adapter].float()
+        bk = b_k[adapter].float().reshape(n_kv, d, rank)
+        bv = b_v[adapter].float().reshape(n_kv, d, rank)
+        rows = end - start
+        # (kv_heads, rows * group, d): the query heads sharing a KV head, row after row
+        query = q[start:end].float().reshape(rows, n_kv, group, d).permute(1, 0, 2, 3).reshape(n_kv, -1, d)
+        limit = meta.positions[start:end].repeat_interleave(group)  # each line's last visible key
+        best = torch.full((n_kv, rows * group), float("-inf"), device=q.device)
+        total = torch.zeros(n_kv, rows * group, device=q.device)
+        acc_base = torch.zeros(n_kv, rows * group, d, device=q.device)
+        acc_res = torch.zeros(n_kv, rows * group, rank, device=q.device)
+        for first in range(0, length, step):
+            keys = torch.arange(first, min(first + step, length), device=q.device)
+            base_slots = meta.key_slots[offset + first:offset + first + len(keys)]
+            res_slots = residual.key_slots[offset + first:offset + first + len(keys)]
+            r_k = flat_rk.index_select(0, res_slots).float()
+            k_delta = torch.einsum("kr,hdr->khd", r_k, bk) * lora_scale
+            k = flat_k.index_select(0, base_slots).float() + apply_rope(
+                k_delta, rope_cos[first:first + len(keys)].float(), rope_sin[first:first + len(keys)].float())
+            scores = torch.einsum("hld,khd->hlk", query, k) * scale
+            scores = scores.masked_fill(keys[None, None, :] > limit[None, :, None], float("-inf"))
+            new_best = torch.maximum(best, scores.amax(-1))
+            safe = torch.where(torch.isinf(new_best), 0.0, new_best)  # a line that sees no key yet
+            probs = torch.exp(scores - safe[..., None])
+            keep = torch.exp(best - safe)
+            v_base = flat_v.index_select(0, base_slots).float()
+            r_v = flat_rv.index_select(0, res_slots).float()
+            acc_base = acc_base * keep[..., None] + torch.einsum("hlk,khd->hld", probs, v_base)
+            acc_res = acc_res * keep[..., None] + probs @ r_v  # one rescaling for both sums
+            total = total * keep + probs.sum(-1)
+            best = new_best
+        offset += length
+        # B_v once per line, after the sum: (P R_v) B_v instead of P (R_v B_v)
+        values = acc_base + lora_scale * torch.einsum("hlr,hdr->hld", acc_res, bv)
+        result = values / total[..., None]
+        out[start:end] = result.reshape(n_kv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, n_q, d).to(q.dtype)
+    return out
