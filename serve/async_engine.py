@@ -114,6 +114,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         kind, request_id, *rest = command
+        if kind == "call":
+            self._answer(*rest)
+            return
         if kind == "abort":
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
@@ -125,6 +128,22 @@ class AsyncEngine:
         except KvshareError as err:
             self._deliver(request_id, err)
             self._streams.pop(request_id, None)
+
+    def _answer(self, work, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        """Run ``work(engine)`` here, between steps, and hand its result or error to ``future``."""
+        try:
+            result, error = work(self.engine), None
+        except Exception as err:  # the caller's to report (e.g. a refused adapter)
+            result, error = None, err
+
+        def settle():
+            if not future.done():  # the caller may have given up
+                future.set_result(result) if error is None else future.set_exception(error)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's event loop is gone
+            pass
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
@@ -164,6 +183,16 @@ class AsyncEngine:
         finally:
             if not finished:  # client disconnected or stopped reading: free its blocks
                 self._commands.put(("abort", request_id))
+
+    async def call(self, work):
+        """Run ``work(engine)`` on the engine thread between steps (e.g. loading an adapter,
+        which must not race a step) and return its result or raise its error."""
+        if not self.alive():
+            raise RuntimeError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", None, work, loop, future))
+        return await future
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -10,17 +11,49 @@ from ..errors import KvshareError
 from .config import add_engine_arguments, add_server_arguments, engine_config_from_args, server_limits_from_args
 
 
+def parse_lora_module(value: str, served_names: list[str]) -> tuple[str, str]:
+    """vLLM's ``--lora-modules`` item: ``name=path`` or ``{"name": ..., "path": ...,
+    "base_model_name": ...}``; a ``base_model_name`` must be a name this server serves the base as.
+    Returns (name, path)."""
+    if value.lstrip().startswith("{"):
+        try:
+            item = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise KvshareError(f"--lora-modules: invalid JSON {value!r} ({err.msg})") from None
+        unknown = sorted(set(item) - {"name", "path", "base_model_name"}) if isinstance(item, dict) else []
+        if not isinstance(item, dict) or unknown or not all(isinstance(item.get(k), str) and item[k]
+                                                            for k in ("name", "path")):
+            raise KvshareError(f"--lora-modules: {value!r} must be a JSON object with string 'name' and 'path' "
+                               "(and optionally 'base_model_name')" + (f"; unknown: {', '.join(unknown)}" if unknown
+                                                                       else ""))
+        base = item.get("base_model_name")
+        if base is not None and base not in served_names:
+            raise KvshareError(f"--lora-modules: adapter {item['name']!r} is for base model {base!r}, but this "
+                               f"server serves {', '.join(map(repr, served_names))}")
+        return item["name"], item["path"]
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise KvshareError(f"--lora-modules: {value!r} is neither name=path nor a JSON object")
+    return name, path
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
+    served_names = args.served_model_name or [args.model]
+    lora_modules = [parse_lora_module(v, served_names) for v in args.lora_modules or []]
     api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or None  # env: not visible in ps
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvshare: warning: serving on {args.host} without an API key: anyone who can reach "
               "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
+    enable_loading = args.enable_lora_loading or \
+        os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
-          config=engine_config_from_args(args), limits=server_limits_from_args(args))
+          config=engine_config_from_args(args), limits=server_limits_from_args(args),
+          lora_modules=lora_modules, served_model_name=args.served_model_name,
+          enable_lora_loading=enable_loading)
     return 0
 
 
@@ -32,6 +65,14 @@ def register(sub) -> None:
                        "/metrics). The request's model field picks the base or an adapter.")
     p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="zoo name or local model folder")
     p.add_argument("--adapter", action="append", metavar="DIR", help="exported adapter folder (repeatable)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", metavar="NAME=DIR",
+                   help="as vLLM: an exported adapter served under NAME (repeatable; also the JSON form "
+                   '\'{"name": ..., "path": ..., "base_model_name": ...}\')')
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="as vLLM: the name(s) the base answers to (the first is listed; default: --model)")
+    p.add_argument("--enable-lora-loading", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also turns this on)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set KVSHARE_API_KEY, "
@@ -39,4 +80,3 @@ def register(sub) -> None:
     add_engine_arguments(p)
     add_server_arguments(p)
     p.set_defaults(func=_cmd_serve)
-

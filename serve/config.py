@@ -89,6 +89,7 @@ class ServerLimits:
 
     max_request_bytes: int = 8 * 2**20  # request body; larger is 413, refused before it is parsed
     max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_n: int = 16  # choices per prompt (``n``); every choice counts against max_waiting
     max_logprobs: int = 20  # logprobs / top_logprobs alternatives per token (vLLM: max_logprobs)
     max_stop_sequences: int = 16  # entries of ``stop``
     max_stop_length: int = 1024  # characters of one stop string

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import torch
@@ -78,8 +78,9 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.hints_log: deque[tuple[str, AgentHints]] = deque(maxlen=1024)  # recent requests' hints
         self._ids = itertools.count()
-        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "generated_tokens": 0,
+        self.counters = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0}
+        self.finish_reasons: Counter[str] = Counter()  # ended requests by finish reason (abort, error too)
 
     # adapters ----------------------------------------------------------------------------
     def load_adapter(self, path: str | Path, name: str | None = None) -> str:
@@ -162,6 +163,7 @@ class LLMEngine:
         self._scheduler.finish(seq, "abort")
         self._agents.on_finish(seq.agent)
         self.counters["aborted"] += 1
+        self.finish_reasons["abort"] += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -221,6 +223,7 @@ class LLMEngine:
                 self._agents.on_finish(seq.agent)
                 key = "failed" if seq.finish_reason == "error" else "finished"
                 self.counters[key] = self.counters.get(key, 0) + 1
+                self.finish_reasons[seq.finish_reason] += 1
             outputs.append(make_output(seq, texts[seq.request_id]))
         self.counters["generated_tokens"] += len(sampled)
         return outputs
@@ -254,6 +257,7 @@ class LLMEngine:
         self.sequences.pop(seq.request_id, None)
         self._agents.on_finish(seq.agent)
         self.counters["failed"] = self.counters.get("failed", 0) + 1
+        self.finish_reasons["error"] += 1
         return make_output(seq, seq.detokenizer.text)
 
     def _blocks_still_needed(self) -> int:
@@ -295,7 +299,9 @@ class LLMEngine:
         return {
             **self.counters, **self._blocks.usage(),
             "prefix_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
-            "prefix_hit_tokens": cache.hit_tokens, "evictions": cache.evictions,
+            "prefix_hit_tokens": cache.hit_tokens, "prefix_queried_tokens": cache.queried_tokens,
+            **{f"prefix_hit_tokens_{kind}": n for kind, n in cache.hit_tokens_by_kind.items()},
+            "evictions": cache.evictions,
             "preemptions": self._scheduler.preemptions, **self.host_tier_stats(),
             "waiting": self.num_waiting(), "running": self.num_running(),
         }

@@ -58,7 +58,9 @@ class ModelRunner:
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
-        tokens = sample_batch(logits.index_select(0, index), [s.params for s in seqs], [s.generator for s in seqs])
+        histories = [s.tokens if s.params.repetition_penalty != 1.0 else None for s in seqs]  # prompt + output
+        tokens = sample_batch(logits.index_select(0, index), [s.params for s in seqs], [s.generator for s in seqs],
+                              histories)
         # (logit row, token whose logprob is reported, how many alternatives): sampled rows that
         # asked for logprobs, and every prompt-scoring row
         wanted = [(row, token, seq.params.logprobs) for row, seq, token in zip(sample_rows, seqs, tokens)

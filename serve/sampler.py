@@ -1,10 +1,13 @@
 """The batched sampler: every logit row of a step in one call.
 
-Greedy rows take one argmax; sampled rows are scaled, top-k and top-p filtered together
-(per-row k and p as tensors), and drawn together, except rows with their own seed: each of
-those draws from its request's generator, so a seeded request gives the same tokens
-whatever else shares its batch. Logprobs come from one log-softmax over the rows that want
-them. The results reach the host in one transfer.
+Rows with a repetition penalty first have it applied to the logits of every token in their
+prompt and output so far (greedy rows too, as in transformers and vLLM). Greedy rows then take
+one argmax; sampled rows are scaled, top-k, top-p and min-p filtered together (per-row
+values as tensors; transformers' order: temperature, top-k, top-p, min-p), and drawn
+together, except rows with their own seed: each of those draws from its request's
+generator, so a seeded request gives the same tokens whatever else shares its batch.
+Logprobs come from one log-softmax over the raw logits of the rows that want them. The
+results reach the host in one transfer.
 """
 
 from __future__ import annotations
@@ -14,8 +17,28 @@ import torch
 from .sampling import SamplingParams
 
 
+def penalize(logits: torch.Tensor, params: list[SamplingParams],
+             histories: list[list[int] | None] | None) -> torch.Tensor:
+    """Apply each row's repetition penalty (transformers' rule: a seen token's logit is divided
+    by the penalty when positive, multiplied when negative) over its ``histories`` entry (the
+    prompt and output so far); rows without a penalty are left alone."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    device = logits.device
+    seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=device)
+    row_of = torch.tensor([j for j, i in enumerate(rows) for _ in histories[i]], dtype=torch.long, device=device)
+    token_of = torch.tensor([t for i in rows for t in histories[i]], dtype=torch.long, device=device)
+    seen[row_of, token_of] = True
+    index = torch.tensor(rows, device=device)
+    penalty = torch.tensor([params[i].repetition_penalty for i in rows], device=device, dtype=logits.dtype)[:, None]
+    picked = logits.index_select(0, index)
+    penalized = torch.where(seen, torch.where(picked < 0, picked * penalty, picked / penalty), picked)
+    return logits.index_copy(0, index, penalized)
+
+
 def _filter(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply each row's top-k and top-p to temperature-scaled scores (rows, vocab)."""
+    """Apply each row's top-k, top-p and min-p to temperature-scaled scores (rows, vocab)."""
     device = scores.device
     if any(p.top_k for p in params):
         vocab = scores.shape[1]
@@ -30,18 +53,37 @@ def _filter(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         probs = torch.softmax(sorted_scores, dim=-1)
         drop = (probs.cumsum(-1) - probs > top_p) & (top_p < 1.0)  # keep the smallest set reaching top_p
         scores = scores.scatter(1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        probs = torch.softmax(scores, dim=-1)
+        floor = torch.tensor(min_ps, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))  # the likeliest token always stays
     return scores
 
 
+def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, for rows that sample (temperature > 0)."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    return _filter(logits / temps, params)
+
+
+def sampling_scores(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[list[int] | None] | None = None) -> torch.Tensor:
+    """The scores each (non-greedy) row samples from: softmax of these is its distribution."""
+    return _warp(penalize(logits, params, histories), params)
+
+
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-    """Next token of every row of float32 ``logits`` (rows, vocab)."""
+                 generators: list[torch.Generator | None],
+                 histories: list[list[int] | None] | None = None) -> list[int]:
+    """Next token of every row of float32 ``logits`` (rows, vocab); ``histories`` holds the
+    prompt and output tokens of each row with a repetition penalty (None elsewhere)."""
+    logits = penalize(logits, params, histories)
     tokens = torch.argmax(logits, dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
-        scores = _filter(logits.index_select(0, index) / temps, [params[i] for i in random_rows])
+        scores = _warp(logits.index_select(0, index), [params[i] for i in random_rows])
         probs = torch.softmax(scores, dim=-1)
         unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
         if unseeded:

@@ -19,12 +19,15 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability (0 = off)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output so far (1 = off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
     prompt_logprobs: int | None = None  # same for every prompt token (scoring, as in vLLM)
+    cache_salt: str | None = None  # vLLM's per-tenant salt: only requests with the same salt share KV blocks
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -33,6 +36,10 @@ class SamplingParams:
             raise KvshareError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:  # NaN fails this too
             raise KvshareError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise KvshareError("min_p must be in [0, 1]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise KvshareError("repetition_penalty must be a finite number > 0")
         if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 63:
             raise KvshareError("seed must be a 64-bit signed integer")
         if self.top_k < 0:
@@ -40,6 +47,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise KvshareError(f"{name} must be >= 0")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise KvshareError("cache_salt must be a non-empty string")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

@@ -13,6 +13,14 @@ are taken as given (include the invocation to activate the adapter).
 one choice per prompt) and ``echo``: with ``logprobs`` the prompt tokens are scored under the
 adapter's own sharing semantics (the engine's ``prompt_logprobs``), which is how lm-eval's
 ``local-completions`` model computes loglikelihoods through a server.
+
+vLLM's surface, so that clients and scripts written for it work unchanged: its sampling
+extensions (``top_k``, ``min_p``, ``repetition_penalty``), ``n`` choices per prompt (queued
+together, so the later ones reuse the first's prompt blocks), ``stream_options.include_usage``,
+chat content-part arrays, ``cache_salt`` (only requests with the same salt share prefix
+blocks), model cards with ``root`` and ``parent``, and, behind a flag,
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. Fields we do not implement are a
+400 that names them.
 """
 
 from __future__ import annotations
@@ -24,14 +32,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -40,6 +47,7 @@ from .async_engine import AsyncEngine, Overloaded
 from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
+from .metrics import ServerMetrics
 from .sampling import SamplingParams
 
 
@@ -48,6 +56,14 @@ class ApiError(Exception):
                  param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` ends the stream with a usage chunk."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's; refused when true (not implemented)
 
 
 class _OpenAIRequest(BaseModel):
@@ -59,17 +75,20 @@ class _OpenAIRequest(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 = off; at most the vocabulary
-    n: int = Field(1, ge=1)
+    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension
+    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension: over the prompt and the output
+    n: int = Field(1, ge=1)  # choices per prompt, at most ServerLimits.max_n
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's per-tenant prefix-cache salt
     kvshare_hints: dict | None = None  # agent hints (serve/hints.py), e.g. {"workflow_id": ..., "agent_id": ...}
     # OpenAI's own optional fields, accepted and ignored at their neutral values
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict | None = None
-    stream_options: dict | None = None
     metadata: dict | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -80,6 +99,15 @@ class _OpenAIRequest(BaseModel):
                 raise ApiError(400, f"{name} is not supported", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ApiError(400, "stream_options.continuous_usage_stats is not supported",
+                           param="stream_options.continuous_usage_stats")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class _Lenient(BaseModel):
@@ -91,11 +119,33 @@ class CompletionRequest(_OpenAIRequest):
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
+    best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ApiError(400, "best_of other than n is not supported", param="best_of")
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[dict]  # text, or OpenAI's content parts (only "text" parts are supported)
+
+    def text(self, where: str) -> str:
+        """The message's text: content parts joined by newlines, as vLLM does."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text":
+                raise ApiError(400, f"{where}.content.{j}: content part type {kind!r} is not supported "
+                               "(only 'text' parts)", param=f"{where}.content")
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content.{j}: a text part needs a string 'text'",
+                               param=f"{where}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatRequest(_OpenAIRequest):
@@ -106,22 +156,24 @@ class ChatRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; needs logprobs
 
 
+class LoadLoraRequest(BaseModel):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (adapters are named, so ``lora_int_id`` is not taken)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
                                                                "param": param, "code": status}})
-
-
-class _EngineCollector:
-    """Engine counters as Prometheus gauges, read at scrape time."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-
-    def collect(self):
-        for key, value in self.engine.stats().items():
-            gauge = GaugeMetricFamily(f"kvshare_{key}", f"engine counter {key}")
-            gauge.add_metric([], float(value))
-            yield gauge
 
 
 class _ApiKeyGuard:
@@ -207,6 +259,8 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
     """Refuse (400) what would cost more than one request's share: long or many stop strings,
     large or deep ``kvshare_hints``, more logprobs than ``max_logprobs``, a top_k beyond the
     vocabulary. The hints' fields themselves are the engine's to validate."""
+    if req.n > limits.max_n:
+        raise ApiError(400, f"n must be at most {limits.max_n}", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > limits.max_stop_sequences:
         raise ApiError(400, f"stop has {len(stops)} sequences; at most {limits.max_stop_sequences} are allowed",
@@ -232,22 +286,23 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
                            param="kvshare_hints")
 
 
-def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | None = None,
-               max_waiting: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    """The app over ``engine``; ``max_waiting`` overrides ``limits.max_waiting``."""
+def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | list[str] | None = None,
+               max_waiting: int | None = None, limits: ServerLimits | None = None,
+               enable_lora_loading: bool = False) -> FastAPI:
+    """The app over ``engine``; ``max_waiting`` overrides ``limits.max_waiting``. The base answers
+    to every name in ``served_model_name`` (vLLM's flag; default: the engine's model name), the
+    first of which the model list shows. ``enable_lora_loading`` adds vLLM's
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
     limits = limits or ServerLimits()
     max_waiting = limits.max_waiting if max_waiting is None else max_waiting
     runner = AsyncEngine(engine, max_waiting=max_waiting)
     # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
     # so a huge prompt costs one core, not every core
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-tokenize")
-    base_name = served_model_name or engine.model_name
-    registry = CollectorRegistry()
-    registry.register(_EngineCollector(engine))
-    buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-    histograms = {name: Histogram(f"kvshare_request_{name}_seconds", f"per-request {name}",
-                                  registry=registry, buckets=buckets)
-                  for name in ("queue_time", "time_to_first_token", "inter_token_latency", "e2e_time")}
+    base_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    base_names = base_names or [engine.model_name]
+    base_name = base_names[0]
+    server_metrics = ServerMetrics(engine, base_name)  # /metrics: ours and vLLM's names
     @asynccontextmanager
     async def lifespan(_app):
         yield
@@ -270,6 +325,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def _validation_error(request: Request, err: RequestValidationError):
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
+        if first["type"] == "extra_forbidden":  # e.g. vLLM's use_beam_search, guided_json
+            return _error(400, f"{where}: this field is not supported by kvshare", param=where or None)
         return _error(400, f"{where}: {first['msg']}", param=where or None)
 
     app.add_middleware(_BodyLimit, limit=limits.max_request_bytes)
@@ -281,7 +338,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work, *args)
 
     def resolve(model: str) -> str | None:
-        if model == base_name:
+        if model in base_names:
             return None
         if any(a.name == model for a in engine.adapters()):
             return model
@@ -289,11 +346,10 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     def params_of(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         req.check_neutral()
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=max(0, req.top_k or 0),
+                                  top_k=max(0, req.top_k or 0), min_p=req.min_p,
+                                  repetition_penalty=req.repetition_penalty, cache_salt=req.cache_salt,
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
@@ -307,10 +363,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                            f"maximum context length {engine.max_model_len}", param="max_tokens")
 
     def observe(out: RequestOutput) -> None:
-        for name, histogram in histograms.items():
-            value = out.metrics.get(name)
-            if value is not None:
-                histogram.observe(value)
+        server_metrics.observe(out)
 
     def hints_of(req, request: Request) -> AgentHints:
         """The request's agent hints: the ``kvshare_hints`` body field, ids also from router headers."""
@@ -331,14 +384,19 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             raise ApiError(500, str(err), kind="server_error") from None
         return first, stream
 
-    async def start_all(prompts, params, adapter, hints: AgentHints) -> list:
-        """Queue every prompt of a batch, or none: if one is refused, the others are aborted."""
-        if len(prompts) > max(1, runner.max_waiting):
-            raise ApiError(400, f"{len(prompts)} prompts exceed the queue's capacity of {runner.max_waiting}",
-                           param="prompt")
-        if not runner.has_room(len(prompts)):
-            raise ApiError(503, f"server overloaded: no room for {len(prompts)} more requests", kind="server_error")
-        started = await asyncio.gather(*(run(p, params, adapter, hints) for p in prompts), return_exceptions=True)
+    async def start_all(jobs: list[tuple[list[int], SamplingParams]], adapter, hints: AgentHints,
+                        n: int = 1) -> list:
+        """Queue every (prompt, params) job of a request, in order, or none: if one is refused,
+        the others are aborted. A prompt's ``n`` choices are queued one after another, so the
+        later ones wait for the first's prompt blocks and reuse them from the prefix cache."""
+        if len(jobs) > max(1, runner.max_waiting):
+            what = f"{len(jobs) // n} prompts x n={n}" if n > 1 else f"{len(jobs)} prompts"
+            raise ApiError(400, f"{what} exceed the queue's capacity of {runner.max_waiting}",
+                           param="n" if n > 1 else "prompt")
+        if not runner.has_room(len(jobs)):
+            raise ApiError(503, f"server overloaded: no room for {len(jobs)} more requests", kind="server_error")
+        started = await asyncio.gather(*(run(p, params, adapter, hints) for p, params in jobs),
+                                       return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(r[1].aclose() for r in started if not isinstance(r, BaseException)))
@@ -368,36 +426,66 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         observe(last)
         return last
 
-    def stream_events(first: RequestOutput, stream, chunk):
+    def stream_events(started: list, chunk, final=None):
+        """Server-sent events over every choice's stream, merged as their tokens arrive:
+        ``chunk(index, delta, finish_reason, opening)`` makes an event; ``final(outputs)``, if
+        given, the last one (the usage chunk). A choice that fails mid-stream ends the whole
+        stream with an OpenAI-style error event, as in vLLM; a disconnect aborts every choice."""
         async def events():
-            sent, out = "", first
+            streams = [stream for _, stream in started]
+            outs, sent = [first for first, _ in started], [""] * len(started)
+            pending: dict[asyncio.Future, int] = {}
             try:
-                yield f"data: {json.dumps(chunk(None, None, True))}\n\n"
+                for index in range(len(started)):
+                    yield f"data: {json.dumps(chunk(index, None, None, True))}\n\n"
+                ready, error = list(range(len(started))), None
                 while True:
-                    text = out.text
-                    if out.finished or not text.endswith("\ufffd"):  # hold back half a character
-                        delta = text[len(sent):] if text.startswith(sent) else ""
-                        sent = text if text.startswith(sent) else sent
-                        if delta or out.finished:
-                            yield f"data: {json.dumps(chunk(delta, out.finish_reason, False))}\n\n"
-                    if out.finished:
-                        observe(out)
+                    for index in ready:
+                        out = outs[index]
+                        text = out.text
+                        if out.finished or not text.endswith("\ufffd"):  # hold back half a character
+                            delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
+                            sent[index] = text if text.startswith(sent[index]) else sent[index]
+                            if delta or out.finished:
+                                yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False))}\n\n"
+                        if out.finished:
+                            observe(out)
+                        else:
+                            pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                    if not pending:
                         break
-                    try:
-                        out = await stream.__anext__()
-                    except RuntimeError as err:  # failed mid-stream: say so, as vLLM does, and end
-                        error = {"message": str(err), "type": "server_error", "param": None, "code": 500}
-                        yield f"data: {json.dumps({'error': error})}\n\n"
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    arrived = {pending.pop(task): task for task in done}
+                    for task in arrived.values():
+                        if isinstance(task.exception(), RuntimeError):
+                            error = str(task.exception())
+                        elif task.exception() is not None:
+                            raise task.exception()
+                    if error is not None:  # failed mid-stream: say so, as vLLM does, and end
+                        body = {"message": error, "type": "server_error", "param": None, "code": 500}
+                        yield f"data: {json.dumps({'error': body})}\n\n"
                         break
+                    ready = sorted(arrived)
+                    for index in ready:
+                        outs[index] = arrived[index].result()
+                if error is None and final is not None:
+                    yield f"data: {json.dumps(final(outs))}\n\n"
                 yield "data: [DONE]\n\n"
-            finally:
-                await stream.aclose()  # a disconnect lands here: the request is aborted
+            finally:  # a disconnect lands here: every choice still running is aborted
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                for stream in streams:
+                    await stream.aclose()
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def usage(outs: list[RequestOutput]) -> dict:
-        prompt, completion = sum(len(o.prompt_token_ids) for o in outs), sum(len(o.token_ids) for o in outs)
+    def usage(outs: list[RequestOutput], n: int = 1) -> dict:
+        """OpenAI's usage: each prompt's tokens once (its first choice's, which computed what
+        the cache did not hold), every choice's completion tokens."""
+        firsts = outs[::n]
+        prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in outs)}}
+                "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
     def logprob_block(out: RequestOutput, echo: bool) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
@@ -439,17 +527,44 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+        return Response(server_metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
+        """vLLM's model cards: ``root`` is where the weights came from, ``parent`` the base an
+        adapter runs on (None for the base)."""
         now = int(time.time())
-        data = [{"id": base_name, "object": "model", "created": now, "owned_by": "kvshare", "kind": "base"}]
+        data = [{"id": base_name, "object": "model", "created": now, "owned_by": "kvshare",
+                 "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                 "kind": "base"}]
         for adapter in engine.adapters():
             data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
-                         "root": base_name, "parent": base_name, "kind": adapter.kind.value,
+                         "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
                          "kv_sharing": adapter.manifest["kv_sharing"]["scope"]})
         return {"object": "list", "data": data}
+
+    def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """Each of ``n`` choices' params: with a seed, choice i draws with seed + i (as vLLM),
+        so the choices differ and the whole reply repeats; choice 0 is the n=1 reply."""
+        if params.seed is None:
+            return [params] * n
+        return [replace(params, seed=(params.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63) for i in range(n)]
+
+    def chunker(rid: str, created: int, req, body):
+        """``chunk`` for :func:`stream_events`: ``body(delta, finish, opening)`` is one choice's
+        content; with ``include_usage`` every chunk has ``usage: null``, as in OpenAI."""
+        obj = "text_completion" if isinstance(req, CompletionRequest) else "chat.completion.chunk"
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(index, delta, finish, opening):
+            return {"id": rid, "object": obj, "created": created, "model": req.model,
+                    "choices": [{"index": index, **body(delta, finish, opening)}], **extra}
+
+        def final(outs):
+            return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+                    "usage": usage(outs, req.n)}
+
+        return chunk, final if req.include_usage else None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -461,68 +576,101 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         scored = req.logprobs if req.echo else None
         params = params_of(req, req.max_tokens, req.logprobs, prompt_logprobs=scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
+        # queued before any finishes and they share batches (and the prompt's blocks)
+        jobs = [(prompt, p) for prompt in prompts for p in choice_params(params, req.n)]
+        started = await start_all(jobs, adapter, hints_of(req, request), req.n)
         if not req.stream:
-            # gathered, so every prompt is queued before any finishes and they share batches
-            started = await start_all(prompts, params, adapter, hints_of(req, request))
             outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
             choices = [{"index": i, "finish_reason": out.finish_reason,
                         "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
                         "logprobs": None if req.logprobs is None else logprob_block(out, req.echo)}
                        for i, out in enumerate(outs)]
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": choices, "usage": usage(outs)}
-        first, stream = await run(prompts[0], params, adapter, hints_of(req, request))
+                    "choices": choices, "usage": usage(outs, req.n)}
 
-        def chunk(delta, finish, opening):
-            if opening:
-                return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                        "choices": [{"index": 0, "text": "", "finish_reason": None, "logprobs": None}]}
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
+        def body(delta, finish, opening):
+            return {"text": delta or "", "finish_reason": None if opening else finish, "logprobs": None}
 
-        return stream_events(first, stream, chunk)
+        return stream_events(started, *chunker(rid, created, req, body))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         adapter = resolve(req.model)
         check_limits(req, limits, engine.runner.vocab_size)
+        messages = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(req.messages)]
         try:
-            prompt = await off_loop(engine.chat_prompt, [m.model_dump() for m in req.messages], adapter)
+            prompt = await off_loop(engine.chat_prompt, messages, adapter)
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         check_prompt(prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        first, stream = await run(prompt, params, adapter, hints_of(req, request))
+        started = await start_all([(prompt, p) for p in choice_params(params, req.n)], adapter,
+                                  hints_of(req, request), req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta, finish, opening):
-            body = {"role": "assistant", "content": ""} if opening else ({"content": delta} if delta else {})
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "delta": body, "finish_reason": None if opening else finish}]}
+        def body(delta, finish, opening):
+            content = {"role": "assistant", "content": ""} if opening else ({"content": delta} if delta else {})
+            return {"delta": content, "finish_reason": None if opening else finish}
 
         if req.stream:
-            return stream_events(first, stream, chunk)
-        out = await unless_gone(request, collect(first, stream))
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                  "finish_reason": out.finish_reason}
-        if req.logprobs:
-            tok = engine.tokenizer
-            choice["logprobs"] = {"content": [
-                {"token": tok.decode([e["token"]]), "logprob": e["logprob"],
-                 "top_logprobs": [{"token": tok.decode([t]), "logprob": v} for t, v in e["top"].items()]}
-                for e in out.logprobs]}
+            return stream_events(started, *chunker(rid, created, req, body))
+        outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
+        choices = []
+        for index, out in enumerate(outs):
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
+                                      "finish_reason": out.finish_reason}
+            if req.logprobs:
+                tok = engine.tokenizer
+                choice["logprobs"] = {"content": [
+                    {"token": tok.decode([e["token"]]), "logprob": e["logprob"],
+                     "top_logprobs": [{"token": tok.decode([t]), "logprob": v} for t, v in e["top"].items()]}
+                    for e in out.logprobs]}
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [choice], "usage": usage([out])}
+                "choices": choices, "usage": usage(outs, req.n)}
+
+    if enable_lora_loading:  # vLLM's runtime LoRA updating; without the flag these are 404, as in vLLM
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoraRequest):
+            """Load an exported adapter under ``lora_name``, with the checks of ``--adapter``
+            (manifest, files, base fingerprint), on the engine thread between steps."""
+            if req.lora_name in base_names:
+                raise ApiError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+            try:
+                await runner.call(lambda e: e.load_adapter(req.lora_path, req.lora_name))
+            except (KvshareError, OSError) as err:
+                raise ApiError(400, str(err), param="lora_path") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoraRequest):
+            """Unload an adapter; refused (409) while requests use it."""
+            if not any(a.name == req.lora_name for a in engine.adapters()):
+                raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
+                               kind="not_found_error", param="lora_name")
+            try:
+                await runner.call(lambda e: e.unload_adapter(req.lora_name))
+            except KvshareError as err:
+                raise ApiError(409, f"{err}: unload it when they have finished", kind="conflict_error",
+                               param="lora_name") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return app
 
 
 def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, config: EngineConfig | None = None,
-          limits: ServerLimits | None = None) -> None:
+          limits: ServerLimits | None = None, lora_modules: list[tuple[str, str]] = (),
+          served_model_name: list[str] | None = None, enable_lora_loading: bool = False) -> None:
+    """Serve ``model`` with ``adapters`` (under their manifest names) and ``lora_modules``
+    ((name, path): vLLM's ``--lora-modules``, served under ``name``)."""
     import uvicorn
 
     engine = LLMEngine(model, adapters, config)
-    app = create_app(engine, api_key=api_key, limits=limits)
+    for name, path in lora_modules:
+        engine.load_adapter(path, name)
+    app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
+                     enable_lora_loading=enable_lora_loading)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -109,20 +109,28 @@ class EngineBackend:
 class ServerBackend:
     """Calls a kvshare server through the OpenAI client (token-id prompts, streamed)."""
 
-    def __init__(self, base_url: str, api_key: str, base_model: str, tokenizer):
+    def __init__(self, base_url: str, api_key: str, base_model: str, tokenizer, send_hints: bool = True,
+                 ignore_eos: bool = False):
+        """``send_hints=False`` for servers other than kvshare (vLLM as a benchmark peer): the
+        workflow id still goes as the ``x-session-id`` header routers read. ``ignore_eos``
+        (vLLM's field) makes every call generate ``max_tokens``, as the in-process backend does."""
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         self.base_model = base_model
         self.tokenizer = tokenizer
+        self.send_hints, self.ignore_eos = send_hints, ignore_eos
 
     async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
                        hints: dict) -> tuple[list[int], int, float]:
         first, text, cached = None, "", 0
         headers = {"x-session-id": hints["workflow_id"], "x-kvshare-agent-id": hints["agent_id"]}
+        body = {"kvshare_hints": hints} if self.send_hints else {}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         stream = await self.client.completions.create(
             model=adapter or self.base_model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            stream=True, extra_body={"kvshare_hints": hints}, extra_headers=headers)
+            stream=True, extra_body=body, extra_headers=headers)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter()

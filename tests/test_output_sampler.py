@@ -79,3 +79,72 @@ def test_device_option(base):
             LLM(base, kv_cache_tokens=256, device="cuda")
     with pytest.raises(KvshareError, match="unknown engine setting"):
         LLM(base, kv_cache_tokens=256, kv_cach_tokens=3)
+
+
+def _transformers_scores(row: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
+    """One row's scores after transformers' own processors, in generate()'s order."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    ids, scores = torch.tensor([history]), row[None].clone()
+    processors = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty)]
+    if not params.greedy:
+        processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1:
+            processors.append(TopPLogitsWarper(params.top_p))
+        if params.min_p:
+            processors.append(MinPLogitsWarper(params.min_p))
+    for processor in processors:
+        scores = processor(ids, scores)
+    return scores[0]
+
+
+def test_min_p_top_k_and_repetition_penalty_equal_transformers_processors():
+    """On fixed logits, the distribution each row samples from (and each greedy pick) is what
+    transformers' RepetitionPenalty, Temperature, TopK, TopP and MinP processors give; a
+    seeded draw is the draw from that distribution."""
+    from kvshare.serve.sampler import sampling_scores
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    histories = [[1, 2, 3, 3, 39], [0, 5], [7], [2, 4, 6, 8, 10, 12], [11, 12], [30, 31, 32]]
+    params = [SamplingParams(temperature=0.9, repetition_penalty=1.7),
+              SamplingParams(temperature=1.3, min_p=0.2),
+              SamplingParams(temperature=0.7, top_k=6, min_p=0.05, repetition_penalty=0.8),
+              SamplingParams(temperature=1.0, top_k=10, top_p=0.7, min_p=0.1, repetition_penalty=1.3),
+              SamplingParams(temperature=1.0, min_p=1.0),  # only the likeliest token (and ties) stays
+              SamplingParams(temperature=0.5, top_k=3, repetition_penalty=2.0)]
+    ours = torch.softmax(sampling_scores(logits, params, histories), -1)
+    for row, (p, history) in enumerate(zip(params, histories)):
+        want = torch.softmax(_transformers_scores(logits[row], history, p), -1)
+        torch.testing.assert_close(ours[row], want)
+    # repetition penalty changes the greedy pick exactly as transformers' processor does
+    favourite = int(logits[0].argmax())
+    greedy = [SamplingParams(repetition_penalty=3.0), SamplingParams(repetition_penalty=1.0)]
+    picks = sample_batch(logits[:2], greedy, [None, None], [[favourite], None])
+    assert picks[0] == int(_transformers_scores(logits[0], [favourite], greedy[0]).argmax()) != favourite
+    assert picks[1] == int(logits[1].argmax())
+    # a seeded row draws from exactly that distribution
+    for row, (p, history) in enumerate(zip(params, histories)):
+        seeded = SamplingParams(**{**vars(p), "seed": 5})
+        got = sample_batch(logits[row:row + 1], [seeded], [torch.Generator().manual_seed(5)], [history])
+        want = torch.softmax(_transformers_scores(logits[row], history, p), -1)
+        assert got == [int(torch.multinomial(want, 1, generator=torch.Generator().manual_seed(5)))]
+
+
+def test_min_p_and_repetition_penalty_are_validated_and_reach_the_engine(base, tokenizer):
+    with pytest.raises(KvshareError, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(KvshareError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
+    llm = LLM(base, kv_cache_tokens=1024, block_size=4)
+    prompt = prompts_for(tokenizer, 1)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    strong = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1e6))[0]
+    seen = set(prompt)
+    for token in strong.token_ids:  # a huge penalty makes every greedy pick a token not seen before
+        assert token not in seen
+        seen.add(token)
+    assert strong.token_ids != plain.token_ids

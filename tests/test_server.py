@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import socket
 import threading
 import time
@@ -387,3 +388,242 @@ def test_a_batch_with_a_refused_prompt_is_400_and_runs_none_of_it(server):
         time.sleep(0.05)
     assert engine.counters["finished"] == before["finished"]
     assert engine.counters["aborted"] == before["aborted"] + 1
+
+
+# vLLM-compatible surface -------------------------------------------------------------------------
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server["url"] + path, headers=AUTH, json=body, timeout=60)
+
+
+def _events(server, path: str, body: dict) -> list[dict]:
+    """The parsed data events of one streamed request (the final [DONE] checked and dropped)."""
+    with httpx.stream("POST", server["url"] + path, headers=AUTH, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_model_cards_have_vllms_root_and_parent(client, server):
+    cards = {m.id: m.model_extra | {"owned_by": m.owned_by} for m in client.models.list().data}
+    engine = server["engine"]
+    assert cards["tiny-base"]["root"] == str(engine.model_dir) and cards["tiny-base"]["parent"] is None
+    for name in ("lora-a", "alora-a", "icarus-a"):
+        assert cards[name]["root"] == str(engine.adapter(name).path)
+        assert cards[name]["parent"] == "tiny-base" and cards[name]["owned_by"] == "kvshare"
+
+
+def test_lora_modules_and_served_model_name_flags(cli, base, adapters, monkeypatch):
+    """`--lora-modules name=path` and its JSON form serve an adapter under that name;
+    `--served-model-name` names the base; a JSON base_model_name for another base is a one-line error."""
+    from fastapi.testclient import TestClient
+
+    from conftest import assert_one_line_error
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    result = cli("serve", "--model", base, "--kv-cache-tokens", "1024", "--lora-modules", f"mine={adapters['lora-a']}",
+                 json.dumps({"name": "theirs", "path": str(adapters["icarus-a"]), "base_model_name": "tiny"}),
+                 "--served-model-name", "tiny", "alias")
+    assert result.code == 0, result.err
+    with TestClient(apps[0]) as local:
+        cards = {c["id"]: c for c in local.get("/v1/models").json()["data"]}
+        assert set(cards) == {"tiny", "mine", "theirs"}
+        assert cards["mine"]["root"] == str(adapters["lora-a"]) and cards["mine"]["parent"] == "tiny"
+        for model in ("tiny", "alias", "mine", "theirs"):
+            r = local.post("/v1/completions", json={"model": model, "prompt": "Rome is", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+        unnamed = local.post("/v1/completions", json={"model": "lora-a", "prompt": "x", "max_tokens": 2})
+        assert unnamed.status_code == 404  # served under its --lora-modules name only
+        assert local.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}).status_code == 404
+    other = json.dumps({"name": "x", "path": str(adapters["lora-a"]), "base_model_name": "some-other-base"})
+    assert_one_line_error(cli("serve", "--model", base, "--lora-modules", other), "'some-other-base'")
+    assert_one_line_error(cli("serve", "--model", base, "--lora-modules", "no-equals-sign"), "name=path")
+    assert_one_line_error(cli("serve", "--model", base, "--lora-modules", '{"name": "x"}'), "'path'")
+
+
+def test_min_p_and_repetition_penalty_over_http(client, server, tokenizer):
+    prompt = "Paris is the capital of France. Paris is the capital of France. Paris is"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = client.completions.create(model="lora-a", prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"repetition_penalty": 0.05, "min_p": 0.3, "top_k": 5})
+    plain = client.completions.create(model="lora-a", prompt=prompt, max_tokens=10, temperature=0)
+    engine = server["engine"]
+    direct = LLMEngine(engine.model_dir, [engine.adapter("lora-a").path], kv_cache_tokens=1024, block_size=8)
+    rid = direct.add_request(ids, SamplingParams(max_tokens=10, repetition_penalty=0.05, min_p=0.3, top_k=5),
+                             adapter="lora-a")
+    want = [o for o in _drain(direct) if o.request_id == rid][-1]
+    assert out.choices[0].text == want.text != plain.choices[0].text
+    for field, value in (("min_p", 1.5), ("repetition_penalty", 0), ("top_k", -2)):
+        r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2, field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_stream_options_include_usage_ends_with_a_usage_chunk(client, server):
+    messages = [{"role": "user", "content": "Name a city."}]
+    whole = client.chat.completions.create(model="icarus-a", messages=messages, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="icarus-a", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    events = _events(server, "/v1/completions", {"model": "tiny-base", "prompt": "Rome is", "max_tokens": 4,
+                                                  "temperature": 0, "stream_options": {"include_usage": True}})
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    plain = _events(server, "/v1/completions", {"model": "tiny-base", "prompt": "Rome is", "max_tokens": 4})
+    assert all(e["choices"] and "usage" not in e for e in plain)  # without it: no usage chunk
+    for options, param in (({"include_usage": True, "continuous_usage_stats": True},
+                            "stream_options.continuous_usage_stats"), ({"bogus": 1}, "stream_options.bogus")):
+        r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2, "stream": True,
+                                              "stream_options": options})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2,
+                                          "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_content_parts_are_joined_text_and_other_parts_are_400(client, server):
+    engine = server["engine"]
+    as_text = client.chat.completions.create(model="tiny-base", max_tokens=6, temperature=0,
+                                             messages=[{"role": "user", "content": "Name a\ncity."}])
+    as_parts = client.chat.completions.create(model="tiny-base", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "city."}]}])
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+    before = engine.counters["requests"]
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "see"},
+                                     {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert r.status_code == 400 and "'image_url'" in r.json()["error"]["message"], r.text
+    assert engine.counters["requests"] == before
+
+
+def test_fields_we_do_not_implement_are_400_naming_the_field(server):
+    for path, extra, field in (("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+                               ("/v1/completions", {"best_of": 3}, "best_of"),
+                               ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+                               ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs")):
+        body = {"model": "tiny-base", "max_tokens": 2, **extra}
+        body.update({"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]})
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert field in r.json()["error"]["message"] and "not supported" in r.json()["error"]["message"]
+    ok = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2, "best_of": 1})
+    assert ok.status_code == 200
+
+
+def test_n_choices_are_seeded_per_choice_and_share_the_prompts_kv(client, server, tokenizer):
+    engine = server["engine"]
+    body = dict(model="lora-a", prompt="Tell me a story about a cat:", max_tokens=12, temperature=1.0, seed=7)
+    three = client.completions.create(n=3, **body)
+    again = client.completions.create(n=3, **body)
+    single = client.completions.create(n=1, **body)
+    texts = [c.text for c in three.choices]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert texts == [c.text for c in again.choices] and texts[0] == single.choices[0].text
+    assert len(set(texts)) > 1  # seed + i per choice: the choices differ
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens > single.usage.completion_tokens
+    # the prompt's blocks are computed once: the later choices reuse them from the prefix cache
+    prompt = "A prompt of many distinct words seen nowhere else in these tests, long enough for blocks:"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    hits = engine._blocks.stats.hit_tokens
+    out = client.completions.create(model="tiny-base", prompt=[prompt, "Other"], n=4, max_tokens=3, temperature=0)
+    assert engine._blocks.stats.hit_tokens - hits >= 3 * (len(ids) // engine.block_size) * engine.block_size > 0
+    assert [c.index for c in out.choices] == list(range(8)) and len({c.text for c in out.choices[:4]}) == 1
+    assert out.usage.prompt_tokens == len(ids) + len(tokenizer.encode("Other", add_special_tokens=False))
+    # streamed chat with n: the chunks of each index assemble its non-streamed choice
+    chat = dict(model="icarus-a", messages=[{"role": "user", "content": "Name a city."}], max_tokens=8,
+                temperature=1.0, seed=3, n=2)
+    whole = client.chat.completions.create(**chat)
+    pieces = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.delta.content or ""
+    assert [pieces[0], pieces[1]] == [c.message.content for c in whole.choices]
+    events = _events(server, "/v1/completions", {**body, "n": 3})
+    streamed = ["".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i) for i in range(3)]
+    assert streamed == texts
+
+
+def test_n_is_capped_and_counts_against_the_queue(server):
+    for n, prompts, why in ((17, "a", "at most 16"), (5, ["a", "b"], "capacity of 8")):  # 2 x 5 > the queue
+        r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": prompts, "max_tokens": 2, "n": n})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "n" and why in error["message"], r.text
+    ok = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": ["a", "b"], "max_tokens": 2, "n": 4})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+
+
+def test_cache_salt_isolates_tenants_and_reuses_within_one(client, server):
+    prompt = "The secret plan of tenant one is written here in full, word after word, for the cache:"
+    cached = {}
+    texts = {}
+    for name, salt in (("t1", "tenant-1"), ("t2", "tenant-2"), ("t1-again", "tenant-1"), ("none", None),
+                       ("none-again", None)):
+        extra = {"cache_salt": salt} if salt else {}
+        out = client.completions.create(model="tiny-base", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        cached[name], texts[name] = out.usage.prompt_tokens_details.cached_tokens, out.choices[0].text
+    assert cached["t1"] == 0 and cached["t2"] == 0 and cached["none"] == 0  # nobody sees another's blocks
+    assert cached["t1-again"] > 0 and cached["none-again"] > 0  # same salt (or none): shared
+    assert len(set(texts.values())) == 1
+    r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_runtime_lora_loading_checks_like_adapter_and_refuses_to_unload_in_use(base, adapters, tiny_models, tmp_path,
+                                                                                 monkeypatch):
+    from kvshare.fingerprint import fingerprints
+
+    engine = LLMEngine(base, kv_cache_tokens=2048, block_size=8, max_model_len=256)
+    with running_server(engine, enable_lora_loading=True) as srv:
+        load = {"lora_name": "hot", "lora_path": str(adapters["lora-a"])}
+        r = _post(srv, "/v1/load_lora_adapter", load)
+        assert r.status_code == 200 and "hot" in r.text
+        assert _post(srv, "/v1/load_lora_adapter", load).status_code == 400  # the name is taken
+        cards = {c["id"]: c for c in httpx.get(srv["url"] + "/v1/models", headers=AUTH).json()["data"]}
+        assert cards["hot"]["root"] == str(adapters["lora-a"]) and cards["hot"]["parent"] == "tiny-base"
+        # another base's adapter is refused by the fingerprint check of --adapter
+        foreign = tmp_path / "foreign"
+        shutil.copytree(adapters["lora-b"], foreign)
+        manifest = json.loads((foreign / "kvshare.json").read_text())
+        manifest["base_model"]["fingerprint"] = fingerprints(tiny_models("llama", seed=1)).base
+        (foreign / "kvshare.json").write_text(json.dumps(manifest))
+        r = _post(srv, "/v1/load_lora_adapter", {"lora_name": "foreign", "lora_path": str(foreign)})
+        assert r.status_code == 400 and "would not match" in r.json()["error"]["message"], r.text
+        assert _post(srv, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(tmp_path / "no")}
+                     ).status_code == 400
+        # in use: refused; once its request is gone: unloaded, and the name is unknown
+        real_run = engine.runner.run
+        monkeypatch.setattr(engine.runner, "run", lambda *a: (time.sleep(0.01), real_run(*a))[1])  # keep it in flight
+        with httpx.stream("POST", srv["url"] + "/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": "hot", "prompt": "Rome is", "max_tokens": 200, "temperature": 0,
+                                "stream": True}) as streaming:
+            lines = streaming.iter_lines()
+            next(lines)
+            r = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "hot"})
+            assert r.status_code == 409 and "in use" in r.json()["error"]["message"], r.text
+            assert engine.has_unfinished()
+        deadline = time.time() + 20
+        while engine.has_unfinished():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        r = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "hot"})
+        assert r.status_code == 200 and "removed" in r.text
+        assert _post(srv, "/v1/unload_lora_adapter", {"lora_name": "hot"}).status_code == 404
+        r = _post(srv, "/v1/completions", {"model": "hot", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 404
+
+
+def test_runtime_lora_loading_is_404_without_the_flag_and_on_with_vllms_variable(server, cli, base, monkeypatch):
+    assert _post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "y"}).status_code == 404
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "lora-a"}).status_code == 404
+    seen = {}
+    monkeypatch.setattr("kvshare.serve.server.serve", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert cli("serve", "--model", base).code == 0 and seen["enable_lora_loading"] is True
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    assert cli("serve", "--model", base).code == 0 and seen["enable_lora_loading"] is False
+    assert cli("serve", "--model", base, "--enable-lora-loading").code == 0 and seen["enable_lora_loading"] is True

@@ -105,7 +105,7 @@ class BlockManager:
     def _keys(self, seq: Sequence, upto_tokens: int, start: int = 0, parent: bytes | None = None):
         """(block index, owner, key) for the full blocks among the first ``upto_tokens``,
         from block ``start`` on (``parent`` is then the key of block ``start - 1``)."""
-        parent = parent or self.index.root
+        parent = parent or self.index.root_for(seq.params.cache_salt)
         tokens, bs = seq.tokens, self.block_size
         for index in range(start, upto_tokens // bs):
             end = (index + 1) * bs

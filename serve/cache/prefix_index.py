@@ -5,8 +5,9 @@ reuse, and chaining makes a block's key depend on everything before it (base fin
 earlier tokens and their owners) without a tree to maintain. Only full blocks are indexed;
 a sequence's partly filled last block is always private.
 
-A key is ``sha256(parent key + owner + tokens)``; the root is the base fingerprint, so two
-bases never share keys. ``pending`` holds keys whose block is allocated but not computed
+A key is ``sha256(parent key + owner + tokens)``; the root is the base fingerprint (and the
+request's ``cache_salt``, if any), so two bases, or two tenants with their own salts, never
+share keys. ``pending`` holds keys whose block is allocated but not computed
 yet, so a second request with the same prefix waits and reuses it instead of recomputing.
 """
 
@@ -23,6 +24,14 @@ class PrefixIndex:
     def clear(self) -> None:
         self.cached: dict[bytes, int] = {}  # key -> block id holding that KV
         self.pending: dict[bytes, int] = {}  # key -> block id: allocated, KV not computed yet
+
+    def root_for(self, cache_salt: str | None) -> bytes:
+        """The chain's root for a request: with a ``cache_salt`` (vLLM's per-tenant field) the
+        salt is hashed into it, so every key of the chain differs and requests with different
+        salts never share a block (nor learn, through cached-token counts, what others sent)."""
+        if cache_salt is None:
+            return self.root
+        return hashlib.sha256(self.root + b"cache_salt:" + cache_salt.encode()).digest()
 
     @staticmethod
     def block_key(parent: bytes, owner: str | None, tokens: list[int]) -> bytes:
