@@ -42,6 +42,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
+    if args.model and args.model_positional and args.model != args.model_positional:
+        raise KvshareError(f"two models given: {args.model_positional!r} and --model {args.model!r}")
+    args.model = args.model or args.model_positional
+    if not args.model:
+        raise KvshareError("kvshare serve needs a model: kvshare serve MODEL (or --model MODEL)")
     served_names = args.served_model_name or [args.model]
     lora_modules = [parse_lora_module(v, served_names) for v in args.lora_modules or []]
     api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or None  # env: not visible in ps
@@ -63,7 +68,11 @@ def register(sub) -> None:
                        description="Serve the base and exported adapters over an OpenAI-compatible "
                        "HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
                        "/metrics). The request's model field picks the base or an adapter.")
-    p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="zoo name or local model folder")
+    p.add_argument("model_positional", nargs="?", metavar="MODEL",
+                   help="zoo name, Hugging Face id (local cache) or local model folder (as `vllm serve MODEL`)")
+    p.add_argument("--model", metavar="NAME_OR_DIR", help="the same, as a flag")
+    for flag in ("--enable-lora", "--enable-prefix-caching"):  # vLLM command lines run unchanged
+        p.add_argument(flag, action="store_true", help="accepted as vLLM's flag; always on in kvshare")
     p.add_argument("--adapter", action="append", metavar="DIR", help="exported adapter folder (repeatable)")
     p.add_argument("--lora-modules", action="extend", nargs="+", metavar="NAME=DIR",
                    help="as vLLM: an exported adapter served under NAME (repeatable; also the JSON form "

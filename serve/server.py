@@ -83,6 +83,7 @@ class _OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's per-tenant prefix-cache salt
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-sequence token
     kvshare_hints: dict | None = None  # agent hints (serve/hints.py), e.g. {"workflow_id": ..., "agent_id": ...}
     # OpenAI's own optional fields, accepted and ignored at their neutral values
     user: str | None = None
@@ -350,6 +351,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=max(0, req.top_k or 0), min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, cache_salt=req.cache_salt,
+                                  ignore_eos=req.ignore_eos,
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter, which must be on before
+    # Triton is first imported (peft imports it): Triton's own library functions are made
+    # for the interpreter or for the compiler when Triton loads, never switched afterwards.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvshare.cli import main
 from kvshare.testing import make_tiny_model

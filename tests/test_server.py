@@ -15,7 +15,7 @@ import openai
 import pytest
 import uvicorn
 
-from kvshare.serve import LLMEngine, SamplingParams
+from kvshare.serve import LLM, LLMEngine, SamplingParams
 from kvshare.serve.server import create_app
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
@@ -627,3 +627,33 @@ def test_runtime_lora_loading_is_404_without_the_flag_and_on_with_vllms_variable
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     assert cli("serve", "--model", base).code == 0 and seen["enable_lora_loading"] is False
     assert cli("serve", "--model", base, "--enable-lora-loading").code == 0 and seen["enable_lora_loading"] is True
+
+
+def test_a_vllm_command_line_runs_unchanged(cli, base, adapters, monkeypatch):
+    """`vllm serve MODEL --enable-lora --lora-modules ... --enable-prefix-caching` (the model
+    positional, vLLM's always-on flags accepted) serves as `--model` does; `ignore_eos`
+    (vLLM's field) generates max_tokens past the end-of-sequence token."""
+    from fastapi.testclient import TestClient
+
+    from conftest import assert_one_line_error
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    result = cli("serve", base, "--enable-lora", "--lora-modules", f"mine={adapters['lora-a']}",
+                 "--enable-prefix-caching", "--kv-cache-tokens", "1024")
+    assert result.code == 0, result.err
+    with TestClient(apps[0]) as local:
+        assert {c["id"] for c in local.get("/v1/models").json()["data"]} == {str(base), "mine"}
+        body = {"model": "mine", "prompt": [5, 6, 7], "temperature": 0}
+        alone = LLM(base, [adapters["lora-a"]], kv_cache_tokens=512)
+        first = alone.generate([[5, 6, 7]], SamplingParams(max_tokens=1), adapter="lora-a")[0].token_ids[0]
+        tokenizer = apps[0].state.runner.engine.tokenizer
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first)  # the greedy first token now ends it
+        assert tokenizer.eos_token_id == first
+        stopped = local.post("/v1/completions", json=body | {"max_tokens": 12}).json()
+        assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
+        r = local.post("/v1/completions", json=body | {"max_tokens": 12, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 12 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert_one_line_error(cli("serve"), "needs a model")
+    assert_one_line_error(cli("serve", base, "--model", "other"), "two models")
