@@ -106,6 +106,16 @@ def _cmd_bench_kvflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_quant(args: argparse.Namespace) -> int:
+    from .perf.quant import markdown, run_quant_bench
+
+    results = run_quant_bench(model=args.model, dtype=args.dtype, threads=args.threads, prompts=args.prompts,
+                              new_tokens=args.new_tokens, paragraphs=args.paragraphs,
+                              prefill_tokens=args.prefill_tokens, out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
 def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
     """Options every benchmark takes: the model, its dtype, CPU threads, the report folder."""
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -129,6 +139,18 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
     p.add_argument("--kernels", default="torch", help="the engine's kernel backend (default: torch references)")
     p.set_defaults(func=_cmd_bench_engine)
+
+    p = bsub.add_parser("quant", help="weight-only int8 (--kernels int8) vs float: quality and speed",
+                        description="The engine with an int8 base (--kernels int8) against float32 "
+                        "(and oneDNN) in one run: greedy agreement on held-out HotpotQA questions, "
+                        "perplexity on held-out HotpotQA paragraphs, decode/prefill tokens/s, weight "
+                        "bytes, one projection's kernel timings. JSON and markdown.")
+    _bench_common(p, "write quant_bench.json and quant_bench.md here")
+    p.add_argument("--prompts", type=int, default=20, help="greedy prompts (HotpotQA questions)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (and batch-1 decode)")
+    p.add_argument("--paragraphs", type=int, default=32, help="HotpotQA paragraphs scored for perplexity")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.set_defaults(func=_cmd_bench_quant)
 
     p = bsub.add_parser("workflow", help="multi-agent ReAct on HotpotQA: icarus vs alora vs lora vs hf",
                         description="N agents (each its own random adapter) take ReAct turns over "

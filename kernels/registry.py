@@ -16,6 +16,7 @@ from kvshare.errors import KvshareError  # absolute: transformers imports a top-
 from .attention import paged_attention_ref, write_kv_ref
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
+from .quant import Int8WeightOnlyLinear
 from .residual_attention import residual_attention_ref
 
 OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention")
@@ -30,6 +31,7 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
+_IMPLEMENTATIONS[("linear", "int8")] = Int8WeightOnlyLinear  # weight-only int8 base (kernels/quant.py)
 
 
 def register(name: str, backend: str, fn: Callable) -> None:

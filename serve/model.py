@@ -58,8 +58,11 @@ class Model:
         self.embed = w["model.embed_tokens.weight"]
         self.kernels = kernels = kernels or Kernels()
         prepare = kernels.linear.prepare  # e.g. packed once for oneDNN
-        lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = prepare(lm_head)
+        tied = c.tie_word_embeddings or "lm_head.weight" not in w
+        lm_head = self.embed if tied else w["lm_head.weight"]
+        # a quantising backend leaves a tied head in float: the embedding stays float for the
+        # lookup, so an int8 copy would add memory rather than save it
+        self.lm_head = lm_head if tied and getattr(kernels.linear, "quantized", False) else prepare(lm_head)
         self.final_norm = w["model.norm.weight"]
         self.rotary = rotary_for(c.model_type, c).to(device)
         # q/k/v and gate/up are fused into one matmul each (one read of x, fewer calls);

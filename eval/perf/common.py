@@ -50,6 +50,21 @@ def run_requests(engine: LLMEngine, requests: list[tuple[list[int], str | None]]
     return [done[i] for i in ids], time.perf_counter() - start
 
 
+def engine_decode_rate(llm, prompts: list[list[int]], new: int, adapter: str | None = None) -> float:
+    """Decode tokens per second of ``llm`` over ``prompts`` together, prefill excluded."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params, adapter=adapter)
+    engine.step()  # prefill every prompt and sample the first token
+    while engine.num_prefilling():
+        engine.step()
+    start, produced = time.perf_counter(), 0
+    while engine.has_unfinished():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - start)
+
+
 def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callable[[dict], str]) -> None:
     """``out_dir/stem.json`` (the figures) and ``out_dir/stem.md`` (the table people read)."""
     out = Path(out_dir)

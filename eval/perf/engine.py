@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ...random_adapters import random_adapter
 from ...serve.engine import LLM
 from ...serve.sampling import SamplingParams
-from .common import filler_prompt as _prompt, setup, write_report as _write
+from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
 
 
 def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
@@ -33,20 +33,6 @@ def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
     run(2)
     prefill = run(1)
     return len(prompts) * (new - 1) / (run(new) - prefill)
-
-
-def _engine_decode_rate(llm: LLM, prompts: list[list[int]], new: int, adapter: str | None = None) -> float:
-    engine = llm.engine
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params, adapter=adapter)
-    engine.step()  # prefill every prompt and sample the first token
-    while engine.num_prefilling():
-        engine.step()
-    start, produced = time.perf_counter(), 0
-    while engine.has_unfinished():
-        produced += len(engine.step())
-    return produced / (time.perf_counter() - start)
 
 
 def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: int = 24) -> float:
@@ -106,12 +92,12 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     steps = tqdm(total=6, desc="bench engine", unit="figure")
 
     short = _prompt(tokenizer, 32)
-    results["decode_b1"] = {"kvshare": _engine_decode_rate(llm, [short], new_tokens),
+    results["decode_b1"] = {"kvshare": engine_decode_rate(llm, [short], new_tokens),
                             "hf": _hf_decode_rate(hf, [short], new_tokens)}
     steps.update()
     batch = [_prompt(tokenizer, 32 + i) for i in range(16)]
     batch = [p[-32:] for p in batch]  # equal lengths: HF needs no padding
-    results["decode_b16"] = {"kvshare": _engine_decode_rate(llm, batch, new_tokens),
+    results["decode_b16"] = {"kvshare": engine_decode_rate(llm, batch, new_tokens),
                              "hf": _hf_decode_rate(hf, batch, new_tokens)}
     steps.update()
     for length in lengths:
