@@ -112,6 +112,13 @@ def test_eval_every_scores_the_adapter_as_kvshare_eval_would(tmp_path, toy_data)
                         dataset="squad", limit=3, max_tokens=4)
     assert evals[-1]["eval"]["f1"] == pytest.approx(again["f1"]["mean"])
     assert evals[-1]["eval"]["exact_match"] == pytest.approx(again["exact_match"]["mean"])
+    # evaluating draws no random numbers from the run: the same weights as without it (dropout on)
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    train(load_recipe(toy_recipe(plain_dir, base, toy_data, "icarus", max_steps=4, log_every=2)))
+    with_eval = load_file(run / "adapter" / "adapter_model.safetensors")
+    without = load_file(plain_dir / "run-icarus" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(with_eval[k], without[k]) for k in without)
 
 
 def test_bad_convention_keys_are_one_line_errors(tmp_path, tiny_models, toy_data, cli):

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import random
 import sys
 import time
 import warnings
@@ -334,7 +335,11 @@ def _evaluate_now(recipe: Recipe, peft_model, run_dir: Path, base_dir: Path, ste
     folder = run_dir / "eval" / f"step-{step}"
     adapter = _export_to(recipe, peft_model, folder / "peft", folder / "adapter", {"steps": step})
     tp = recipe.train
-    return evaluate_adapter(adapter, str(base_dir), tp.eval_task, tp.eval_limit, tp.eval_max_tokens, folder)
+    python_rng = random.getstate()
+    with torch.random.fork_rng():  # the training run draws the same numbers with or without evaluations
+        scores = evaluate_adapter(adapter, str(base_dir), tp.eval_task, tp.eval_limit, tp.eval_max_tokens, folder)
+    random.setstate(python_rng)
+    return scores
 
 
 def tracker_config(resolved: dict) -> dict:
