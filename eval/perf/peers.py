@@ -10,6 +10,8 @@ read from its Prometheus counters.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import socket
@@ -89,16 +91,21 @@ def vllm_serve_command(venv: Path, model_dir: Path, adapters: dict[str, Path], p
     return command
 
 
+def vllm_env(threads: int, kv_cache_gib: float) -> dict[str, str]:
+    """The environment vLLM's CPU build runs in: ``threads`` OpenMP threads bound to cores
+    0..threads-1 (it wants a core list), a KV space in whole GiB, offline, no usage stats."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_cache_gib))), VLLM_NO_USAGE_STATS="1",
+                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
+
+
 class VLLMServer:
     """A ``vllm serve`` process for the length of a ``with`` block."""
 
     def __init__(self, command: list[str], port: int, threads: int, kv_cache_gib: float, log: Path,
                  startup_timeout: float = 600.0):
         self.command, self.port, self.log = command, port, Path(log)
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",  # cores 0..threads-1
-                        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_NO_USAGE_STATS="1",
-                        DO_NOT_TRACK="1", HF_HUB_OFFLINE="1",
-                        VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache between points
+        self.env = vllm_env(threads, kv_cache_gib) | {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
 
@@ -160,3 +167,49 @@ class VLLMServer:
                 if sample.name in totals:
                     totals[sample.name] += sample.value
         return totals["vllm:prefix_cache_queries_total"], totals["vllm:prefix_cache_hits_total"]
+
+
+PROBE = Path(__file__).with_name("vllm_engine_probe.py")  # imports vLLM only, never kvshare
+
+
+def vllm_engine_probe_command(venv: Path, probe: Path, model_dir: Path, dtype: str, prompts_file: Path,
+                              new_tokens: int, max_model_len: int, max_num_batched_tokens: int) -> list[str]:
+    """The peer venv's python running the engine-bench probe (:mod:`.vllm_engine_probe`)."""
+    return [str(Path(venv) / "bin" / "python"), str(probe), "--model", str(model_dir), "--dtype", dtype,
+            "--prompts", str(prompts_file), "--new-tokens", str(new_tokens), "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max_num_batched_tokens)]
+
+
+def run_vllm_engine_probe(venv: Path, model_dir: Path, dtype: str, prompts: dict, new_tokens: int,
+                          max_model_len: int, max_num_batched_tokens: int, threads: int, kv_cache_gib: float,
+                          workdir: Path, timeout: float = 1800.0) -> dict:
+    """vLLM's decode/prefill figures over the bench's own prompt token ids (``prompts``:
+    ``decode_b1``, ``decode_b16``, ``prefill`` by length), from the probe's one JSON line.
+    The probe is copied into ``workdir`` and run there: run from a kvshare checkout (or from
+    ``eval/perf``, which Python would put first on the path) our folders would shadow imports."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe = workdir / PROBE.name
+    shutil.copyfile(PROBE, probe)
+    prompts_file = workdir / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    log = workdir / "vllm-engine-probe.log"
+    command = vllm_engine_probe_command(venv, probe, model_dir, dtype, prompts_file, new_tokens, max_model_len,
+                                        max_num_batched_tokens)
+    env = vllm_env(threads, kv_cache_gib) | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout: the JSON line
+    with open(log, "w") as stderr:
+        try:
+            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+                                    cwd=workdir, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise KvshareError(f"the vLLM engine probe ran past {timeout:.0f} s; see {log}") from None
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0:
+        text = lines + log.read_text(errors="replace").strip().splitlines()  # its error: stderr's last line
+        raise KvshareError(f"the vLLM engine probe exited with {result.returncode}; last line: "
+                           f"{text[-1] if text else '(no output)'} (log: {log})")
+    try:
+        figures = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise KvshareError(f"the vLLM engine probe printed no JSON line (log: {log})") from None
+    return figures
