@@ -107,19 +107,22 @@ class EngineBackend:
 
 
 class ServerBackend:
-    """Calls a kvshare server through the OpenAI client (token-id prompts, streamed)."""
+    """Calls an OpenAI-compatible server (kvshare's, or a router or vLLM in front) through the
+    OpenAI client, streamed; the final usage chunk gives the prompt tokens served from cache."""
 
     def __init__(self, base_url: str, api_key: str, base_model: str, tokenizer, send_hints: bool = True,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, text_prompts: bool = False):
         """``send_hints=False`` for servers other than kvshare (vLLM as a benchmark peer): the
         workflow id still goes as the ``x-session-id`` header routers read. ``ignore_eos``
-        (vLLM's field) makes every call generate ``max_tokens``, as the in-process backend does."""
+        (vLLM's field) makes every call generate ``max_tokens``, as the in-process backend does.
+        ``text_prompts`` sends the prompt as text, for routers that take no token ids (``smg``);
+        the server tokenises it again, which may split the text differently than the ids did."""
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         self.base_model = base_model
         self.tokenizer = tokenizer
-        self.send_hints, self.ignore_eos = send_hints, ignore_eos
+        self.send_hints, self.ignore_eos, self.text_prompts = send_hints, ignore_eos, text_prompts
 
     async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
                        hints: dict) -> tuple[list[int], int, float]:
@@ -128,13 +131,17 @@ class ServerBackend:
         body = {"kvshare_hints": hints} if self.send_hints else {}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        sent = self.tokenizer.decode(prompt) if self.text_prompts else prompt
         stream = await self.client.completions.create(
-            model=adapter or self.base_model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            stream=True, extra_body=body, extra_headers=headers)
+            model=adapter or self.base_model, prompt=sent, max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body=body, extra_headers=headers)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter()
                 text += chunk.choices[0].text
+            details = chunk.usage and chunk.usage.prompt_tokens_details
+            if details and details.cached_tokens:
+                cached = details.cached_tokens
         first = first or time.perf_counter()
         return self.tokenizer.encode(text, add_special_tokens=False), cached, first
 

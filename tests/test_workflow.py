@@ -84,6 +84,18 @@ def test_react_against_the_server(server, tokenizer):
     assert all(r.completion_tokens > 0 and r.latency >= r.ttft >= 0 for r in flow.records)
     sent = [h for _, h in server["engine"].hints_log if h.workflow_id == flow.workflow_id]
     assert [h.agent_id for h in sent] == ["planner", "base"]
+    # the second call (base) reads the first's shared history from cache: the usage chunk says so
+    assert 0 < flow.records[1].cached_tokens <= flow.records[1].prompt_tokens
+
+
+def test_react_against_the_server_with_text_prompts(server, tokenizer):
+    """For routers that take no token ids: prompts go as text, the server tokenises them."""
+    backend = ServerBackend(server["url"] + "/v1", KEY, "tiny-base", tokenizer, text_prompts=True)
+    agents = [Agent("planner", "icarus-a", "You plan."), Agent("base", None, "You summarise.")]
+    flow = Workflow(4, backend, tokenizer.encode("Rome was founded on seven hills. " * 6), max_tokens=5)
+    asyncio.run(flow.react(RoundRobin(agents), turns=2))
+    assert all(r.completion_tokens > 0 for r in flow.records)
+    assert flow.records[1].cached_tokens > 0  # ICaRus and base share the history's blocks
 
 
 def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path):
