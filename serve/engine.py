@@ -162,8 +162,7 @@ class LLMEngine:
             return False
         self._scheduler.finish(seq, "abort")
         self._agents.on_finish(seq.agent)
-        self.counters["aborted"] += 1
-        self.finish_reasons["abort"] += 1
+        self._count_end("abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -221,9 +220,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:
                 self.sequences.pop(seq.request_id, None)
                 self._agents.on_finish(seq.agent)
-                key = "failed" if seq.finish_reason == "error" else "finished"
-                self.counters[key] = self.counters.get(key, 0) + 1
-                self.finish_reasons[seq.finish_reason] += 1
+                self._count_end(seq.finish_reason)
             outputs.append(make_output(seq, texts[seq.request_id]))
         self.counters["generated_tokens"] += len(sampled)
         return outputs
@@ -256,9 +253,13 @@ class LLMEngine:
         self._scheduler.finish(seq, "error")
         self.sequences.pop(seq.request_id, None)
         self._agents.on_finish(seq.agent)
-        self.counters["failed"] = self.counters.get("failed", 0) + 1
-        self.finish_reasons["error"] += 1
+        self._count_end("error")
         return make_output(seq, seq.detokenizer.text)
+
+    def _count_end(self, reason: str) -> None:
+        """A request ended: count it by finish reason, and as aborted, failed or finished."""
+        self.counters[{"abort": "aborted", "error": "failed"}.get(reason, "finished")] += 1
+        self.finish_reasons[reason] += 1
 
     def _blocks_still_needed(self) -> int:
         """Blocks the requests in flight may still take (to their max_tokens): prefetches
@@ -305,7 +306,6 @@ class LLMEngine:
             "preemptions": self._scheduler.preemptions, **self.host_tier_stats(),
             "waiting": self.num_waiting(), "running": self.num_running(),
         }
-
 
     def host_tier_stats(self) -> dict:
         """Blocks and bytes the host tier moved, and how much of the prompts it served."""

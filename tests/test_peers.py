@@ -40,7 +40,7 @@ def test_vllm_serve_command_enables_prefix_caching_and_each_lora(tmp_path):
 
 def test_a_missing_peer_venv_is_one_line_error(tmp_path, tiny_models, cli):
     with pytest.raises(KvshareError, match="no vLLM peer venv"):
-        ensure_vllm_venv(tmp_path / "absent", create=False)
+        ensure_vllm_venv(tmp_path / "absent")
     result = cli("bench", "workflow", "--model", tiny_models("llama"), "--peer", "vllm",
                  "--peer-venv", tmp_path / "absent", "--agents", "2", "--qps", "1")
     assert_one_line_error(result, "no vLLM peer venv")
@@ -90,7 +90,7 @@ def _stand_in_venv(tmp_path: Path, program: str) -> Path:
 
 def test_server_lifecycle_health_metrics_reset_and_stop(tmp_path):
     venv = _stand_in_venv(tmp_path, STAND_IN)
-    assert ensure_vllm_venv(venv, create=False) == venv
+    assert ensure_vllm_venv(venv) == venv
     port = free_port()
     command = vllm_serve_command(venv, tmp_path, {}, port, "float32", 512)
     with VLLMServer(command, port, threads=1, kv_cache_gib=1, log=tmp_path / "vllm.log", startup_timeout=60) as server:

@@ -19,18 +19,9 @@ from kvshare.train.recipe import load_recipe
 from kvshare.train.trainer import train
 
 from conftest import assert_one_line_error
-from test_trainer import toy_recipe
+from test_trainer import toy_data, toy_recipe  # noqa: F401 (toy_data: a fixture)
 
 SHORT = {"max_steps": 6, "save_every": 2, "log_every": 1, "batch_size": 2, "grad_accum": 1}
-
-
-@pytest.fixture(scope="module")
-def toy_data(tmp_path_factory) -> Path:
-    rows = [{"q": f"What is {a} plus {b}?", "a": f"{a} plus {b} is {a + b}."}
-            for a in range(6) for b in range(4)]
-    path = tmp_path_factory.mktemp("toy") / "toy.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

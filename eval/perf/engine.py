@@ -12,7 +12,6 @@ ids, lengths and threads (decode and prefill rows), from its own venv (:mod:`.pe
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 import time
@@ -26,7 +25,7 @@ from ...random_adapters import random_adapter
 from ...serve.engine import LLM
 from ...serve.sampling import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
-from .peers import ensure_vllm_venv, run_vllm_engine_probe
+from .peers import ensure_vllm_venv, kv_space_gib, run_vllm_engine_probe
 
 PEERS = ("vllm",)
 
@@ -96,7 +95,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
         raise KvshareError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     if peer and device != "cpu":
         raise KvshareError("the vLLM peer is vLLM's CPU build: use it with --device cpu")
-    venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None, create=peer_venv is None) if peer else None
+    venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None) if peer else None
     model_dir = setup(model, threads)
     # the baseline is transformers as users run it by default: float32 (BRIEF.md's 11.8 tok/s)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
@@ -163,7 +162,7 @@ def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtyp
     engine = llm.engine
     lengths = [len(p) for p in prompts["prefill"].values()]
     pool_bytes = engine.runner.num_blocks * engine.config.block_size * engine.kv_bytes_per_token
-    kv_gib = max(1, math.ceil(pool_bytes / 2 ** 30))
+    kv_gib = kv_space_gib(pool_bytes)
     # its prompts and log stay beside the report, or (without one) in a temporary folder kept
     # only when the probe fails, so the log its error names is still there
     workdir = (Path(out_dir) / "vllm-engine-probe" if out_dir

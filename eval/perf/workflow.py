@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import tempfile
 import threading
@@ -36,7 +35,7 @@ from ...serve.async_engine import AsyncEngine
 from ...serve.engine import LLMEngine
 from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from .common import percentile, setup, write_report as _write
-from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, vllm_serve_command
+from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, kv_space_gib, vllm_serve_command
 
 PEER_MODES = ("vllm-lora", "vllm-base")
 
@@ -147,7 +146,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
     venv = None
     if any(m in PEER_MODES for m in modes):  # before any work: a missing peer is a clear error now
-        venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None, create=peer_venv is None)
+        venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None)
     points = []
     tool = SimulatedTool(tool_delay, observation_tokens)
     bar = tqdm(total=len(modes) * len(agents) * len(qps), desc="bench workflow", unit="point")
@@ -217,7 +216,7 @@ def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], path
     reset before each point, as kvshare's is). vLLM takes its KV space in whole GiB: it gets
     the smallest that holds kvshare's pool (reported per point)."""
     adapters = {agent.adapter: path for agent, path in zip(team, paths)}
-    kv_gib = max(1, math.ceil(kv_cache_tokens * engine.kv_bytes_per_token / 2 ** 30))
+    kv_gib = kv_space_gib(kv_cache_tokens * engine.kv_bytes_per_token)
     port = free_port()
     command = vllm_serve_command(venv, model_dir, adapters, port, dtype, engine.max_model_len)
     points = []

@@ -80,7 +80,6 @@ class BlockManager:
         self.pinned_seqs: dict[str, Sequence] = {}
         self.index.clear()
         self.policy = type(self.policy)()  # a fresh policy of the engine's kind
-        self._readers_changed = 0  # bumped when an idle block gains a reader
         self.policy.bind(self.rank, self.is_leaf, self.rank_version)
         self.stats = CacheStats()
 
@@ -93,9 +92,10 @@ class BlockManager:
             return (0, 0.0)
         return (1, -min(self.agents.steps_of(agent) for agent in readers))
 
-    def rank_version(self) -> tuple[int, int]:
-        """Changes whenever any idle block's rank may have changed (agents' steps, readers)."""
-        return (self.agents.version, self._readers_changed)
+    def rank_version(self) -> int:
+        """Changes whenever an idle block's rank may have changed: only the agents' steps can
+        (a block gains readers only on a hit, which takes it out of the policy first)."""
+        return self.agents.version
 
     def is_leaf(self, block_id: int) -> bool:
         """No cached block continues this one's chain (so evicting it strands nothing)."""
@@ -217,8 +217,6 @@ class BlockManager:
         """Record that ``seq``'s agent reads this block as part of its fixed prompt."""
         if seq.agent is not None and index < seq.fixed_blocks:
             info = self.blocks[block_id]
-            if block_id in self.policy and (seq.agent not in info.readers or info.dynamic):
-                self._readers_changed += 1
             info.readers.add(seq.agent)
             info.dynamic = False
 

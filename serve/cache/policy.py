@@ -75,9 +75,9 @@ class StepAwarePolicy(EvictionPolicy):
     next call is furthest away, least recently released as the tie-break; only blocks with
     no cached descendant are candidates (evicting an inner block would strand its subtree).
 
-    Candidates sit in a heap keyed by (rank, release order). A rank changes only when the
-    agents' steps or a block's readers change, which the block manager reports through its
-    ``version``; the heap is rebuilt then (once per request, not per eviction), so choosing a
+    Candidates sit in a heap keyed by (rank, release order). An idle block's rank changes only
+    when the agents' steps do, which the block manager reports through its ``version``; the
+    heap is rebuilt then (once per request, not per eviction), so choosing a
     victim costs O(log n) instead of a scan of every idle block. Removed blocks leave stale
     entries that are skipped when they surface; inner blocks met on the way are set aside and
     pushed back, since evicting their last child makes them candidates."""
