@@ -28,6 +28,7 @@ class ShareScope(str, Enum):
     NONE = "none"  # every token's KV is the adapter's own: cache key = (adapter, tokens)
     BEFORE_INVOCATION = "before_invocation"  # base KV up to the invocation start
     ALL = "all"  # keys and values always come from the frozen base
+    FORKKV = "forkkv"  # base part of K/V shared among ForkKV agents (approximate); rank-r residual private
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -51,6 +52,7 @@ class KindSpec:
     default_targets: tuple[str, ...] = ()
     forbidden_targets: tuple[str, ...] = ()
     needs_invocation: bool = False  # chat layout: conversation + invocation, no assistant header
+    kv_layout: str = "exact"  # "exact": KV as the weights compute it; "forkkv": base part + residual
 
     @property
     def name(self) -> str:
@@ -122,6 +124,36 @@ KINDS: dict[AdapterKind, KindSpec] = {
         forbidden_targets=("k_proj", "v_proj"),
     ),
 }
+
+
+# A conventional LoRA served with ForkKV's disaggregated KV (BRIEF.md, "ForkKV"): its K/V
+# projections are split into the base part x W (shared by every ForkKV agent through a pool
+# in its own namespace, never readable by exact kinds) and the rank-r x A (private, keyed by
+# the adapter's digest). Approximate past layer 0: the shared part was computed from another
+# agent's hidden states. Opt-in per engine or adapter; the kind's default stays exact.
+FORKKV_LORA = KindSpec(
+    AdapterKind.LORA, ShareScope.FORKKV,
+    "Conventional LoRA served with ForkKV: the base part of each token's K/V (x W_k after "
+    "RoPE, x W_v) is shared with every other ForkKV agent over the same tokens and may be read "
+    "from exact base KV; only x A_k and x A_v (rank r) are private, keyed by (tokens, adapter). "
+    "Approximate past layer 0 when another agent computed the shared part.",
+    kv_adapted="always", query_adapted="always", default_targets=ALL_PROJECTIONS, kv_layout="forkkv",
+)
+KV_LAYOUTS = ("exact", "forkkv")
+
+
+def serving_spec(kind: AdapterKind | str | None, kv_layout: str = "exact") -> KindSpec:
+    """The spec a request of ``kind`` is served under with ``kv_layout`` ("exact" or
+    "forkkv"; ForkKV exists for conventional LoRA only, whose K/V the adapter changes)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise KvshareError(f"unknown kv_layout {kv_layout!r} (expected one of: {', '.join(KV_LAYOUTS)})")
+    spec = kind_spec(kind)
+    if kv_layout == "exact":
+        return spec
+    if spec.kind is not AdapterKind.LORA:
+        raise KvshareError(f"kv_layout 'forkkv' is for lora adapters; a {spec.name} adapter "
+                           f"{'already shares base KV' if spec.kind else 'has no residual'}")
+    return FORKKV_LORA
 
 
 def parse_kind(value: str) -> AdapterKind:

@@ -17,7 +17,7 @@ from .attention import paged_attention_ref, write_kv_ref
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
 from .quant import Int8WeightOnlyLinear
-from .residual_attention import residual_attention_ref
+from .residual_attention import residual_attention_sdpa
 
 OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention")
 
@@ -27,7 +27,7 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("write_kv", "torch"): write_kv_ref,
     ("gathered_lora", "torch"): gathered_lora_ref,
     ("linear", "torch"): TorchLinear,
-    ("residual_attention", "torch"): residual_attention_ref,  # ForkKV; not used by the engine yet
+    ("residual_attention", "torch"): residual_attention_sdpa,  # ForkKV; the block loop is its oracle
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear

@@ -18,7 +18,8 @@ block tables and context lengths; each sequence names its adapter (an index into
 ``B_k``/``B_v``/scales), so agents with different adapters share one call.
 
 This reference runs the same block loop as the Triton kernel; :func:`reconstruct_kv_ref`
-rebuilds dense K/V for one sequence, which the tests use as the oracle.
+rebuilds dense K/V for one sequence, which the tests use as the oracle. The engine's CPU
+path is :func:`residual_attention_sdpa`: the same math in one SDPA call per sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .attention import write_kv_ref
 from .metadata import AttentionMetadata
@@ -183,4 +185,51 @@ def residual_attention_ref(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_c
         values = acc_base + lora_scale * torch.einsum("hlr,hdr->hld", acc_res, bv)
         result = values / total[..., None]
         out[start:end] = result.reshape(n_kv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, n_q, d).to(q.dtype)
+    return out
+
+
+def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_cache: torch.Tensor,
+                            k_res_cache: torch.Tensor, v_res_cache: torch.Tensor, b_k: torch.Tensor,
+                            b_v: torch.Tensor, lora_scales: torch.Tensor, rope_cos: torch.Tensor,
+                            rope_sin: torch.Tensor, meta: AttentionMetadata, residual: ResidualMetadata,
+                            scale: float) -> torch.Tensor:
+    """:func:`residual_attention_ref`'s result with one SDPA call per sequence (the engine's
+    torch path; the block loop is the oracle and the Triton kernel's shape).
+
+    Keys are rebuilt for the whole context (``K_base + RoPE(scale R_k B_k)``: one
+    (keys, r) x (r, kv_heads * d) matmul); the values stay apart as in the kernel: each KV
+    head's value rows are ``[V_base | R_v]`` (width d + r), so one softmax-weighted sum gives
+    both accumulators and ``scale B_v`` is applied once to the r-wide part after it.
+    Computes in q's dtype, as :func:`~kvshare.kernels.attention.paged_attention_ref` does.
+    """
+    n_q, d = q.shape[1], q.shape[2]
+    n_kv, rank = k_base_cache.shape[2], k_res_cache.shape[-1]
+    if n_q % n_kv:
+        raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
+    group = n_q // n_kv
+    keys_all = k_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
+    values_all = v_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
+    r_k_all = k_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
+    r_v_all = v_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
+    out = torch.empty_like(q)
+    offset = 0
+    for s, ((start, end), length, causal, all_last) in enumerate(zip(meta.seq_bounds, meta.seq_context,
+                                                                      meta.seq_causal, meta.seq_all_last)):
+        adapter = residual.host_adapter[s]
+        lora_scale = float(lora_scales[adapter])
+        window = slice(offset, offset + length)
+        offset += length
+        k_delta = (r_k_all[window] @ b_k[adapter].to(q.dtype).T * lora_scale).reshape(length, n_kv, d)
+        keys = keys_all[window] + apply_rope(k_delta, rope_cos[:length].to(q.dtype), rope_sin[:length].to(q.dtype))
+        values = torch.cat([values_all[window], r_v_all[window][:, None, :].expand(length, n_kv, rank)], dim=-1)
+        mask = None
+        if not causal and not all_last:
+            positions = meta.positions[start:end]
+            mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
+        attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                              values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                              is_causal=causal, enable_gqa=group > 1)[0]  # (q_heads, rows, d + r)
+        b_v_heads = b_v[adapter].to(q.dtype).reshape(n_kv, d, rank).repeat_interleave(group, dim=0)
+        result = attn[..., :d] + lora_scale * torch.einsum("hlr,hdr->hld", attn[..., d:], b_v_heads)
+        out[start:end] = result.transpose(0, 1)
     return out

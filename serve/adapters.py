@@ -25,7 +25,7 @@ from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..errors import KvshareError
 from ..export import verify_adapter_dir
 from ..safetensors_io import load_tensors, read_json
-from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind
+from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind, serving_spec
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -39,10 +39,15 @@ class LoadedAdapter:
     invocation: list[int] | None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
     digest: str  # content digest: what its KV blocks are keyed by
+    kv_layout: str = "exact"  # "forkkv": k/v LoRA kept apart as a rank-r residual (ForkKV)
 
     @property
     def spec(self) -> KindSpec:
-        return kind_spec(self.kind)
+        return serving_spec(self.kind, self.kv_layout)
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[0] for a, _, _ in self.weights.values()), default=0)
 
 
 def adapter_digest(path: Path, kind: AdapterKind, invocation: list[int] | None) -> str:
@@ -73,13 +78,22 @@ class AdapterSet:
         self.slots: list[LoadedAdapter | None] = []
         self.by_name: dict[str, int] = {}
         self._lookup: dict[tuple[int, str], list] = {}
+        self._residual: dict[int, ResidualStack] = {}
+        self.residual_rank = 0  # the residual pool's width: ForkKV adapters may have at most this rank
+        self.default_kv_layout = "exact"  # the layout of lora adapters loaded without one
 
-    def load(self, path: str | Path, name: str | None = None) -> str:
+    def load(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
+        """Load an exported adapter under ``name``; ``kv_layout="forkkv"`` serves a lora
+        adapter with ForkKV's shared base part and private rank-r residual (None: the
+        default layout for lora adapters, exact for other kinds)."""
         path = Path(path)
         manifest = verify_adapter_dir(path, base=self.base_dir)
         name = name or manifest["name"]
         if name in self.by_name:
             raise KvshareError(f"an adapter named {name!r} is already loaded")
+        if kv_layout is None:
+            kv_layout = self.default_kv_layout if manifest["kind"] == AdapterKind.LORA.value else "exact"
+        serving_spec(manifest["kind"], kv_layout)  # a layout the kind has, or a clear error
         config = read_json(path / ADAPTER_CONFIG)
         alpha, use_rslora = float(config.get("lora_alpha", config["r"])), bool(config.get("use_rslora"))
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -96,7 +110,10 @@ class AdapterSet:
         kind = parse_kind(manifest["kind"])
         invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
         adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights,
-                                adapter_digest(path, kind, invocation))
+                                adapter_digest(path, kind, invocation), kv_layout)
+        if kv_layout == "forkkv" and adapter.rank > self.residual_rank:
+            raise KvshareError(f"adapter {name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
+                               f"rank {self.residual_rank} at most (raise forkkv_max_rank)")
         slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
         if slot == len(self.slots):
             self.slots.append(adapter)
@@ -104,6 +121,7 @@ class AdapterSet:
             self.slots[slot] = adapter
         self.by_name[name] = slot
         self._lookup.clear()
+        self._residual.clear()
         return name
 
     def unload(self, name: str) -> None:
@@ -111,6 +129,7 @@ class AdapterSet:
         self.slots[slot] = None
         del self.by_name[name]
         self._lookup.clear()
+        self._residual.clear()
 
     def get_slot(self, name: str) -> int:
         if name not in self.by_name:
@@ -134,9 +153,54 @@ class AdapterSet:
             self._lookup[key] = [_fuse(s, layer, parts) if s is not None else None for s in self.slots]
         return self._lookup[key]
 
+    def residual_index(self) -> dict[int, int]:
+        """Slot -> index into :meth:`residual_stack` of every ForkKV adapter (slot order)."""
+        forkkv = [i for i, s in enumerate(self.slots) if s is not None and s.kv_layout == "forkkv"]
+        return {slot: index for index, slot in enumerate(forkkv)}
+
+    def residual_stack(self, layer: int, hidden: int, kv_size: int) -> ResidualStack:
+        """The ForkKV adapters' k/v LoRA of one layer, stacked in :meth:`residual_index` order
+        and zero-padded to the pool's rank (zeros add exact zeros): what the residual pool's
+        writes (A) and residual attention (B, scale) need. Cached until slots change."""
+        if layer not in self._residual:
+            adapters = [self.slots[slot] for slot in self.residual_index()]
+            self._residual[layer] = ResidualStack.build(adapters, layer, self.residual_rank, hidden, kv_size,
+                                                        self.dtype, self.device)
+        return self._residual[layer]
+
+
+@dataclass
+class ResidualStack:
+    """One layer's ForkKV weights: A_k, A_v (adapters, r, hidden), B_k, B_v (adapters, kv_size, r),
+    scales (adapters,). An adapter that does not adapt k (or v) in this layer has zeros."""
+
+    a_k: torch.Tensor
+    a_v: torch.Tensor
+    b_k: torch.Tensor
+    b_v: torch.Tensor
+    scales: torch.Tensor
+
+    @staticmethod
+    def build(adapters: list[LoadedAdapter], layer: int, rank: int, hidden: int, kv_size: int,
+              dtype: torch.dtype, device: torch.device) -> ResidualStack:
+        a = torch.zeros(2, len(adapters), rank, hidden, device=device, dtype=dtype)
+        b = torch.zeros(2, len(adapters), kv_size, rank, device=device, dtype=dtype)
+        scales = torch.zeros(len(adapters), dtype=torch.float32, device=device)
+        for i, adapter in enumerate(adapters):
+            for j, name in enumerate(("k_proj", "v_proj")):
+                entry = adapter.weights.get((layer, name))
+                if entry is not None:
+                    a_w, b_w, scale = entry
+                    a[j, i, :a_w.shape[0]] = a_w
+                    b[j, i, :, :b_w.shape[1]] = b_w
+                    scales[i] = scale
+        return ResidualStack(a[0], a[1], b[0], b[1], scales)
+
 
 def _fuse(adapter: LoadedAdapter, layer: int, parts: tuple[tuple[str, int], ...]):
-    found = [(adapter.weights.get((layer, name)), out) for name, out in parts]
+    # a ForkKV adapter's k/v LoRA is not added to K/V: it goes to the residual pool instead
+    split = ("k_proj", "v_proj") if adapter.kv_layout == "forkkv" else ()
+    found = [(adapter.weights.get((layer, name)) if name not in split else None, out) for name, out in parts]
     present = [w for w, _ in found if w is not None]
     if not present:
         return None

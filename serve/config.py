@@ -28,6 +28,9 @@ class EngineConfig:
     host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
     prefetch_steps: int = 0  # load back the fixed prompts of agents due within this many steps
+    kv_layout: str = "exact"  # lora adapters' KV: exact (private) | forkkv (shared base part + rank-r residual)
+    forkkv_max_rank: int = 16  # the ForkKV residual pool's width: the largest adapter rank it serves
+    forkkv_residual_tokens: int | None = None  # residual pool capacity (default: 4x the KV pool's tokens)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -41,6 +44,10 @@ class EngineConfig:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
         if not self.host_bandwidth_gbps > 0:
             raise KvshareError("host_bandwidth_gbps must be positive")
+        if self.kv_layout not in ("exact", "forkkv"):
+            raise KvshareError(f"kv_layout must be exact or forkkv, not {self.kv_layout!r}")
+        if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):
+            raise KvshareError("forkkv_max_rank and forkkv_residual_tokens must be at least 1")
 
     def updated(self, **overrides) -> EngineConfig:
         """A copy with ``overrides`` applied (unknown names are a clear error)."""
@@ -70,6 +77,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    help="simulated host<->device copy rate on CPU, GB/s (default 25: about PCIe 4.0 x16)")
     g.add_argument("--prefetch-steps", type=int, default=0,
                    help="load back the fixed prompts of agents due within this many steps (default 0: off)")
+    g.add_argument("--kv-layout", choices=["exact", "forkkv"], default="exact",
+                   help="KV of lora adapters: exact (private, default) or forkkv (ForkKV: base part shared "
+                   "among lora agents, rank-r residual private; approximate, saves memory)")
+    g.add_argument("--forkkv-max-rank", type=int, default=16, help="ForkKV residual width: largest lora rank")
+    g.add_argument("--forkkv-residual-tokens", type=int,
+                   help="ForkKV residual pool capacity in tokens (default: 4x --kv-cache-tokens)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         kernels=args.kernels, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
-                        prefetch_steps=args.prefetch_steps)
+                        prefetch_steps=args.prefetch_steps, kv_layout=args.kv_layout,
+                        forkkv_max_rank=args.forkkv_max_rank, forkkv_residual_tokens=args.forkkv_residual_tokens)
 
 
 @dataclass(frozen=True)

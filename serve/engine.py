@@ -28,6 +28,7 @@ from ..models import load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
+from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .hints import AgentHints
 from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
@@ -73,6 +74,9 @@ class LLMEngine:
                                     host_tier=tier)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
+        self._adapters.default_kv_layout = config.kv_layout
+        if config.kv_layout == "forkkv":
+            self._ensure_residual_pool()
         for path in adapters:
             self._adapters.load(path)
         self.sequences: dict[str, Sequence] = {}
@@ -83,8 +87,22 @@ class LLMEngine:
         self.finish_reasons: Counter[str] = Counter()  # ended requests by finish reason (abort, error too)
 
     # adapters ----------------------------------------------------------------------------
-    def load_adapter(self, path: str | Path, name: str | None = None) -> str:
-        return self._adapters.load(path, name)
+    def load_adapter(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
+        """Load an exported adapter; ``kv_layout="forkkv"`` serves a lora adapter with ForkKV
+        (default: the engine's ``kv_layout`` for lora adapters, exact for the other kinds)."""
+        if kv_layout == "forkkv":
+            self._ensure_residual_pool()
+        return self._adapters.load(path, name, kv_layout)
+
+    def _ensure_residual_pool(self) -> None:
+        """ForkKV's residual pool and its index, made with the first ForkKV adapter."""
+        if self._blocks.residual is not None:
+            return
+        config = self.config
+        tokens = config.forkkv_residual_tokens or 4 * self.runner.num_blocks * config.block_size
+        blocks = self.runner.add_residual_pool(tokens, config.forkkv_max_rank)
+        self._blocks.residual = ResidualCache(blocks, config.block_size, self.fingerprint)
+        self._adapters.residual_rank = config.forkkv_max_rank
 
     def unload_adapter(self, name: str) -> None:
         busy = [s.request_id for s in self.sequences.values() if s.adapter == name]
@@ -133,6 +151,10 @@ class LLMEngine:
         needed = self._blocks.blocks_needed(len(tokens) + params.max_tokens)
         if needed > self._blocks.num_blocks:
             raise KvshareError(f"request needs {needed} KV blocks; the pool has {self._blocks.num_blocks}")
+        if adapter is not None and self.adapter(adapter).kv_layout == "forkkv" and \
+                needed > self._blocks.residual.num_blocks:
+            raise KvshareError(f"request needs {needed} ForkKV residual blocks; the residual pool has "
+                               f"{self._blocks.residual.num_blocks}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
@@ -233,7 +255,7 @@ class LLMEngine:
             group = todo.pop()
             states = {id(p.seq.generator): p.seq.generator.get_state() for p in group if p.seq.generator is not None}
             try:
-                runs.append((group, self.runner.run(group, self._adapters.lookup)))
+                runs.append((group, self.runner.run(group, self._adapters)))
             except Exception:
                 for plan in group:  # the failed run may have drawn from seeded generators
                     if plan.seq.generator is not None:
@@ -293,7 +315,14 @@ class LLMEngine:
         usage = self._blocks.usage()
         holding = self._blocks.num_holding_kv
         usage.update(blocks_holding_kv=holding, bytes_holding_kv=holding * self.block_size * self.kv_bytes_per_token)
-        return {"kv": usage}
+        pools = {"kv": usage}
+        residual = self._blocks.residual
+        if residual is not None:
+            res = residual.usage()
+            per_block = self.runner.residual_cache[:, :, 0].numel() * self.runner.residual_cache.element_size()
+            res.update(blocks_holding_kv=residual.num_holding, bytes_holding_kv=residual.num_holding * per_block)
+            pools["forkkv_residual"] = res
+        return pools
 
     def stats(self) -> dict:
         cache = self._blocks.stats
@@ -303,9 +332,18 @@ class LLMEngine:
             "prefix_hit_tokens": cache.hit_tokens, "prefix_queried_tokens": cache.queried_tokens,
             **{f"prefix_hit_tokens_{kind}": n for kind, n in cache.hit_tokens_by_kind.items()},
             "evictions": cache.evictions,
+            **self.forkkv_stats(),
             "preemptions": self._scheduler.preemptions, **self.host_tier_stats(),
             "waiting": self.num_waiting(), "running": self.num_running(),
         }
+
+    def forkkv_stats(self) -> dict:
+        """The ForkKV residual pool's hits and evictions (nothing without the pool)."""
+        residual = self._blocks.residual
+        if residual is None:
+            return {}
+        return {"forkkv_residual_hit_tokens": residual.stats.hit_tokens,
+                "forkkv_residual_evictions": residual.stats.evictions}
 
     def host_tier_stats(self) -> dict:
         """Blocks and bytes the host tier moved, and how much of the prompts it served."""

@@ -91,19 +91,26 @@ class Model:
                       "down": (("down_proj", hidden),)}
 
     @torch.no_grad()
-    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora) -> torch.Tensor:
+    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora, residual_cache: torch.Tensor | None = None,
+                residual_stack=None) -> torch.Tensor:
         """Run the batch's rows through the model, writing KV where asked; return float32
         logits of its logit rows.
 
         ``kv_cache`` is (2, layers, blocks, block_size, kv_heads, head_dim); ``lora(layer,
         parts)`` gives each adapter slot's (A, B, scale) for a fused projection, or None.
+        ForkKV rows (``batch.forkkv``) keep their k/v LoRA apart: ``residual_stack(layer,
+        kv_size)`` gives the ForkKV adapters' stacked weights and ``residual_cache`` (2,
+        layers, blocks, block_size, r) holds each token's x A_k, x A_v.
         """
         meta, groups, kernels = batch.attention, batch.lora_groups, self.kernels
+        fork = batch.forkkv
         linear = kernels.linear.apply
         h = F.embedding(batch.tokens, self.embed)
         cos, sin = self.rotary(h, meta.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
         n = h.shape[0]
+        if fork is not None:  # RoPE of every key position the residual keys need
+            rope_cos, rope_sin = (t[0] for t in self.rotary(h, torch.arange(fork.max_context, device=h.device)[None]))
 
         def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
             """Add each row's LoRA delta to a fused output, then split it into its projections."""
@@ -124,7 +131,12 @@ class Model:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, meta.write_rows)
-            a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale).reshape(n, self.q_size)
+            if fork is None:
+                a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale)
+            else:
+                a = self._forkkv_attention(i, q, x, kv_cache, residual_cache, residual_stack(i, self.config.hidden_size, self.kv_size),
+                                           fork, rope_cos, rope_sin)
+            a = a.reshape(n, self.q_size)
             h = h + adapt(i, "o", a, linear(a, L["o"]))[0]
             x = _rms_norm(h, L["post_norm"], self.eps)
             gate, up = adapt(i, "gate_up", x, linear(x, L["gate_up"]))
@@ -132,3 +144,28 @@ class Model:
             h = h + adapt(i, "down", act, linear(act, L["down"]))[0]
         h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
         return linear(h, self.lm_head).float()
+
+    def _forkkv_attention(self, i: int, q: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                          residual_cache: torch.Tensor, stack, fork, rope_cos: torch.Tensor,
+                          rope_sin: torch.Tensor) -> torch.Tensor:
+        """Attention of one layer when ForkKV rows share the step: exact rows over the pool as
+        usual; ForkKV rows first store their x A_k, x A_v (only where the residual is not
+        cached), then attend over base part + residual (K rebuilt per key, B_v once)."""
+        start, kernels = fork.first, self.kernels
+        xf = x[start:]
+        r_k = xf.new_zeros(xf.shape[0], stack.a_k.shape[1])
+        r_v = torch.zeros_like(r_k)
+        for index, rows in fork.groups:
+            part = xf.index_select(0, rows)
+            r_k.index_copy_(0, rows, part @ stack.a_k[index].T)
+            r_v.index_copy_(0, rows, part @ stack.a_v[index].T)
+        # a residual slot is one "head" of width r, so the KV-write kernel stores it as it is
+        kernels.write_kv(residual_cache[0, i].unsqueeze(2), residual_cache[1, i].unsqueeze(2), r_k[:, None],
+                         r_v[:, None], fork.res_slots, fork.res_write_rows)
+        out = []
+        if fork.exact is not None:
+            out.append(kernels.paged_attention(q[:start], kv_cache[0, i], kv_cache[1, i], fork.exact, self.scale))
+        out.append(kernels.residual_attention(q[start:], kv_cache[0, i], kv_cache[1, i], residual_cache[0, i],
+                                              residual_cache[1, i], stack.b_k, stack.b_v, stack.scales,
+                                              rope_cos, rope_sin, fork.meta, fork.residual, self.scale))
+        return torch.cat(out) if len(out) > 1 else out[0]

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import KvshareError
 from ..kernels import Kernels
+from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
@@ -45,16 +46,31 @@ class ModelRunner:
         self.num_blocks = max(1, kv_cache_tokens // block_size)
         self.kv_cache = torch.zeros(2, m.n_layers, self.num_blocks, block_size, m.n_kv, m.head_dim,
                                     dtype=dtype, device=device)
+        self.residual_cache: torch.Tensor | None = None  # ForkKV's (2, layers, blocks, block_size, r)
+
+    def add_residual_pool(self, tokens: int, rank: int) -> int:
+        """Allocate ForkKV's residual pool (once): ``tokens`` slots of rank ``rank`` per layer
+        for x A_k and x A_v. Returns its number of blocks."""
+        m = self.model
+        if any(L["k_norm"] is not None for L in m.layers):
+            raise KvshareError("ForkKV needs keys linear in x (K = x W_k + x A_k B_k); this model "
+                               "normalises keys per head (k_norm), which breaks the split")
+        blocks = max(1, tokens // self.block_size)
+        self.residual_cache = torch.zeros(2, m.n_layers, blocks, self.block_size, rank,
+                                          dtype=self.model.dtype, device=self.device)
+        return blocks
 
     @property
     def vocab_size(self) -> int:
         return self.model.embed.shape[0]
 
-    def run(self, plans: list[StepPlan], lora) -> tuple[Batch, list[int], dict[int, dict]]:
+    def run(self, plans: list[StepPlan], adapters: AdapterSet) -> tuple[Batch, list[int], dict[int, dict]]:
         """Run one step: (the batch, the sampled token of each sampling row in target order,
         logprob records by logit row for the rows that want them)."""
-        batch = build_batch(plans, self.block_size, self.device)
-        logits = self.model.forward(batch, self.kv_cache, lora)
+        batch = build_batch(plans, self.block_size, self.device,
+                            adapters.residual_index() if self.residual_cache is not None else None)
+        logits = self.model.forward(batch, self.kv_cache, adapters.lookup, self.residual_cache,
+                                    adapters.residual_stack)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)

@@ -39,6 +39,12 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     chain_key: bytes | None = None  # prefix-cache key of the last of those blocks
+    # ForkKV (spec.kv_layout == "forkkv"): the private rank-r residual lives in its own pool
+    res_table: list[int] = field(default_factory=list)  # residual-pool blocks
+    res_hashed_blocks: int = 0  # leading residual blocks registered in the residual index
+    res_chain_key: bytes | None = None
+    base_cached: int = 0  # leading tokens whose base part came from the cache (not rewritten)
+    res_cached: int = 0  # leading tokens whose residual came from the cache (not rewritten)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     first_scheduled: float | None = None
@@ -54,6 +60,10 @@ class Sequence:
     load_wait_s: float = 0.0  # time it waited for them
     waiting_on_loads_since: float | None = None
     detokenizer: object | None = None  # output.IncrementalDetokenizer, set by the engine
+
+    @property
+    def forkkv(self) -> bool:
+        return self.spec.kv_layout == "forkkv"
 
     @property
     def tokens(self) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 
 from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.adapters import find_invocation_start
+from kvshare.serve.cache.layout import FORKKV_BASE
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -82,32 +83,58 @@ def expected_owner(kind, digest, block_end, invocation_start):
 KVFLOW = dict(eviction_policy="step", host_cache_tokens=BS * 60, prefetch_steps=1)
 
 
-@pytest.mark.parametrize("settings", [{}, KVFLOW], ids=["lru", "kvflow"])
+FORKKV = {"forkkv_residual_tokens": BS * 40}  # ForkKV agents beside the exact kinds, small residual pool
+
+
+@pytest.mark.parametrize("settings", [{}, KVFLOW, FORKKV], ids=["lru", "kvflow", "forkkv"])
 def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer, invocation, settings):
     """With KVFlow's policy and host tier the blocks also travel to the host and back (loaded
-    ones keep their owner) and requests carry random agent hints."""
+    ones keep their owner) and requests carry random agent hints. With ForkKV agents, their
+    base parts may be exact base KV or ForkKV's own but are never read by exact kinds, and a
+    residual block is only ever read by the adapter that wrote it."""
     rng = random.Random(0)
     llm = LLM(base, list(adapters.values()), kv_cache_tokens=BS * 90, block_size=BS,
               max_num_batched_tokens=48, **settings)
     engine, blocks = llm.engine, llm.engine._blocks  # the cache package's block manager
     kinds = {None: None, "lora-a": "lora", "lora-b": "lora", "alora-a": "alora",
              "icarus-a": "icarus", "icarus-b": "icarus"}
+    if settings is FORKKV:
+        for name in ("lora-a", "lora-b"):
+            engine.load_adapter(adapters[name], f"{name}-forkkv", kv_layout="forkkv")
+            kinds[f"{name}-forkkv"] = "forkkv"
     segments = [p[:6] for p in prompts_for(tokenizer, 3)] + [invocation]
-    checked_blocks = 0
+    checked_blocks = checked_residuals = 0
     original = blocks.allocate
+    residual_writer: dict[int, str] = {}  # residual block -> digest of the adapter that published it
 
     def checked_allocate(seq):
-        nonlocal checked_blocks
+        nonlocal checked_blocks, checked_residuals
         original(seq)
         kind = kinds[seq.adapter]
+        digest = engine.adapter(seq.adapter).digest if seq.adapter else None
         for index in range(seq.hashed_blocks):  # blocks served from the prefix cache
             block = blocks.blocks[seq.block_table[index]]
-            digest = engine.adapter(seq.adapter).digest if seq.adapter else None
-            owner = expected_owner(kind, digest, (index + 1) * BS, seq.invocation_start)
-            assert block.owner == owner, (seq.adapter, index, block.owner)
+            if kind == "forkkv":
+                assert block.owner in (None, FORKKV_BASE), (seq.adapter, index, block.owner)
+            else:
+                owner = expected_owner(kind, digest, (index + 1) * BS, seq.invocation_start)
+                assert block.owner == owner, (seq.adapter, index, block.owner)
             checked_blocks += 1
+        for index in range(seq.res_hashed_blocks):
+            assert residual_writer[seq.res_table[index]] == digest, (seq.adapter, index)
+            checked_residuals += 1
 
     blocks.allocate = checked_allocate
+    if blocks.residual is not None:
+        publish = blocks.residual.register_computed
+
+        def recorded_publish(seq):
+            published = seq.res_hashed_blocks
+            publish(seq)
+            for block_id in seq.res_table[published:seq.res_hashed_blocks]:
+                residual_writer[block_id] = seq.adapter_digest
+
+        blocks.residual.register_computed = recorded_publish
     requests, outputs = [], {}
 
     def collect(step_outputs):
@@ -128,8 +155,12 @@ def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer,
         collect(engine.step())
     assert len(outputs) == 300 and checked_blocks > 100
     assert engine.stats()["evictions"] > 0  # the small pool really cycled blocks
-    if settings:
+    if settings is KVFLOW:
         assert engine.stats()["host_loaded_blocks"] > 0  # and blocks came back from the host
-    for request_id, prompt, adapter, params in rng.sample(requests, 12):
+    if settings is FORKKV:
+        assert checked_residuals > 20 and engine.stats()["forkkv_residual_evictions"] > 0
+    # exact kinds are exact whatever shared the cache (ForkKV's shared part is approximate by design)
+    exact = [r for r in requests if kinds[r[2]] != "forkkv"]
+    for request_id, prompt, adapter, params in rng.sample(exact, 12):
         fresh = LLM(base, list(adapters.values()), kv_cache_tokens=512, block_size=BS)
         assert fresh.generate([prompt], params, adapter=adapter)[0].token_ids == outputs[request_id]

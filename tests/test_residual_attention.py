@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from kvshare.kernels import Kernels, build_attention_metadata
 from kvshare.kernels.attention import paged_attention_ref, write_kv_ref
 from kvshare.kernels.residual_attention import (build_residual_metadata, reconstruct_kv_ref,
-                                                residual_attention_ref, stack_residual_weights,
+                                                residual_attention_ref, residual_attention_sdpa,
+                                                stack_residual_weights,
                                                 write_residual_ref)
 
 HEAD_DIM = 8
@@ -155,13 +156,14 @@ def test_reconstructed_kv_is_the_lora_projection_with_rope():
     torch.testing.assert_close(v, want_v, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [residual_attention_ref, residual_attention_sdpa], ids=["block_loop", "sdpa"])
 @pytest.mark.parametrize("rank", [1, 8])
 @pytest.mark.parametrize("n_q,n_kv", [(2, 2), (6, 2), (4, 1)], ids=["gqa1", "gqa3", "gqa4"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_reference_equals_dense_attention_over_reconstructed_kv(scenario, n_q, n_kv, rank):
+def test_reference_equals_dense_attention_over_reconstructed_kv(scenario, n_q, n_kv, rank, kernel):
     seed = list(SCENARIOS).index(scenario) * 10 + n_q + rank
     case, meta, residual = make_case(seed, SCENARIOS[scenario], n_q, n_kv, rank)
-    got = residual_attention_ref(**case, meta=meta, residual=residual, scale=0.4)
+    got = kernel(**case, meta=meta, residual=residual, scale=0.4)
     torch.testing.assert_close(got, dense_oracle(case, meta, residual, 0.4), atol=2e-5, rtol=1e-5)
 
 
@@ -192,7 +194,7 @@ def test_reference_keeps_the_model_dtype():
 
 
 def test_registered_for_every_engine_and_checked_inputs():
-    assert Kernels().residual_attention is residual_attention_ref
+    assert Kernels().residual_attention is residual_attention_sdpa  # the engine's torch path
     b, scales = stack_residual_weights(torch.zeros(16, 4), 2.0)
     assert b.shape == (1, 16, 4) and scales.tolist() == [2.0]
     meta = build_attention_metadata([0], [9], [-1], [[0, 1, 2]], 4)

@@ -10,6 +10,10 @@ it (its *readers*; a shared block collects every agent that reads it) and whethe
 a dynamic suffix, which is what the step-aware policy ranks by. With a :class:`HostTier`,
 an evicted block worth keeping goes to host memory, and a prompt whose prefix is there is
 loaded back (the request is skipped until its blocks land) instead of recomputed.
+
+A ForkKV request (:mod:`.residual`) takes blocks in both pools at once: its base part here
+(the longest prefix found under ForkKV's owner or as exact base KV), its residual there. It
+resumes from the shorter of the two cached prefixes and rewrites neither cached part.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .layout import KVLayout
 from .policy import EvictionPolicy, LRUPolicy
 from .pool import BlockPool, OutOfBlocks
 from .prefix_index import PrefixIndex
+from .residual import ResidualCache
 
 
 class PrefixPending(Exception):
@@ -56,8 +61,10 @@ class BlockInfo:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, base_fingerprint: str,
                  policy: EvictionPolicy | None = None, layout: KVLayout | None = None,
-                 agents: AgentTable | None = None, host_tier: HostTier | None = None):
+                 agents: AgentTable | None = None, host_tier: HostTier | None = None,
+                 residual: ResidualCache | None = None):
         self.block_size = block_size
+        self.residual = residual  # ForkKV's residual pool, when the engine has one
         self.index = PrefixIndex(base_fingerprint)
         self.layout = layout or KVLayout()
         self.policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
@@ -82,6 +89,8 @@ class BlockManager:
         self.policy = type(self.policy)()  # a fresh policy of the engine's kind
         self.policy.bind(self.rank, self.is_leaf, self.rank_version)
         self.stats = CacheStats()
+        if self.residual is not None:
+            self.residual.reset()
 
     # what the policy ranks by ---------------------------------------------------------------
     def rank(self, block_id: int) -> tuple:
@@ -102,14 +111,16 @@ class BlockManager:
         return not self.children.get(self.blocks[block_id].key)
 
     # keys -------------------------------------------------------------------------------
-    def _keys(self, seq: Sequence, upto_tokens: int, start: int = 0, parent: bytes | None = None):
+    def _keys(self, seq: Sequence, upto_tokens: int, start: int = 0, parent: bytes | None = None,
+              exact_base: bool = False):
         """(block index, owner, key) for the full blocks among the first ``upto_tokens``,
-        from block ``start`` on (``parent`` is then the key of block ``start - 1``)."""
+        from block ``start`` on (``parent`` is then the key of block ``start - 1``);
+        ``exact_base``: the keys the same tokens have as exact base KV."""
         parent = parent or self.index.root_for(seq.params.cache_salt)
         tokens, bs = seq.tokens, self.block_size
         for index in range(start, upto_tokens // bs):
             end = (index + 1) * bs
-            owner = self.layout.block_owner(seq, end)
+            owner = None if exact_base else self.layout.block_owner(seq, end)
             parent = self.index.block_key(parent, owner, tokens[end - bs:end])
             yield index, owner, parent
 
@@ -172,12 +183,16 @@ class BlockManager:
         length = len(seq)
         chain = list(self._keys(seq, length))
         keys = [key for _, _, key in chain]
+        exact = [key for _, _, key in self._keys(seq, length, exact_base=True)] \
+            if self.layout.reads_exact_base(seq) else None
         if seq.agent is not None and seq.fixed_blocks is None:  # once: retries must not relearn
             seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
                                                         seq.hints.fixed_prefix_tokens, self.block_size)
         hits: list[int] = []
         for index, key in enumerate(keys):
             block_id = self.index.lookup(key)
+            if block_id is None and exact is not None:
+                block_id = self.index.lookup(exact[index])  # read exact base KV, never write it
             if block_id is None:
                 if self.index.is_pending(key):
                     raise PrefixPending  # same prefix admitted just before: share it once computed
@@ -189,6 +204,11 @@ class BlockManager:
         reusable_evictable = sum(1 for b in hits if b in self.policy)
         if fresh > self.num_free - reusable_evictable:
             raise OutOfBlocks
+        res_hits = []
+        if seq.forkkv:
+            res_hits = self.residual.match(seq)
+            if not self.residual.can_take(self.residual.fresh_needed(seq, res_hits), res_hits):
+                raise OutOfBlocks
         for index, block_id in enumerate(hits):
             self.policy.remove(block_id)
             self.pool.ref(block_id)
@@ -200,6 +220,10 @@ class BlockManager:
         for index in range(len(hits), len(keys)):
             self.index.mark_pending(keys[index], seq.block_table[index])
         seq.num_computed = len(hits) * self.block_size
+        if seq.forkkv:  # resume where both parts are cached; rewrite neither
+            self.residual.allocate(seq, res_hits)
+            seq.base_cached = seq.num_computed
+            seq.num_computed = min(seq.base_cached, seq.res_cached)
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
         if seq.waiting_on_loads_since is not None:
@@ -208,7 +232,7 @@ class BlockManager:
         self.stats.queried_tokens += len(seq.prompt)
         self.stats.hit_tokens += min(seq.num_computed, len(seq.prompt))
         self.stats.host_hit_tokens += min(seq.loaded_blocks * self.block_size, len(seq.prompt))
-        for index, owner, _ in chain[:len(hits)]:  # the same prompt tokens, by whose KV they reused
+        for index, owner, _ in chain[:seq.num_computed // self.block_size]:  # by whose KV they reused
             tokens = min((index + 1) * self.block_size, len(seq.prompt)) - index * self.block_size
             if tokens > 0:
                 self.stats.hit_tokens_by_kind[self.layout.reuse_kind(seq, owner)] += tokens
@@ -349,11 +373,15 @@ class BlockManager:
         need = self.blocks_needed(n_tokens) - len(seq.block_table)
         if need > self.num_free:
             raise OutOfBlocks
+        if seq.forkkv:
+            self.residual.ensure_capacity(seq, n_tokens)  # checks before it takes
         for _ in range(need):
             seq.block_table.append(self._take())
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks in the prefix index."""
+        if seq.forkkv:
+            self.residual.register_computed(seq)
         full = seq.num_computed // self.block_size
         if full <= seq.hashed_blocks:
             return
@@ -373,6 +401,8 @@ class BlockManager:
         self.index.drop_pending_of(set(seq.block_table))
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
+        if seq.res_table:
+            self.residual.free(seq)
         seq.block_table = []
         seq.num_computed = 0
         seq.hashed_blocks = 0

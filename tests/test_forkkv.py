@@ -1,0 +1,158 @@
+"""ForkKV serving: exact where nothing is shared, isolated namespaces, decoupled eviction.
+
+A ForkKV lora agent keeps the base part of its K/V in the main pool under an owner of its
+own and its rank-r residual in a pool keyed by its adapter digest. With one agent the split
+is exact algebra (RoPE is linear), so outputs equal the exact LoRA engine and PEFT; shared
+base parts from other agents are approximate past layer 0, which eval/perf/forkkv measures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.errors import KvshareError
+from kvshare.serve import LLM, SamplingParams
+
+from test_engine import adapters, base, hf_greedy, invocation, peft_model, prompts_for, tokenizer  # noqa: F401
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def forkkv_llm(base, adapters, **settings):
+    settings = {"kv_cache_tokens": 2048, "block_size": BS, "kv_layout": "forkkv"} | settings
+    return LLM(base, list(adapters.values()), **settings)
+
+
+def run(llm, prompt, adapter=None, params=GREEDY):
+    out = llm.generate([prompt], params, adapter=adapter)[0]
+    return out.token_ids, out.metrics["prompt_tokens_cached"]
+
+
+@pytest.mark.parametrize("name", ["lora-a", "lora-b"])
+def test_a_single_agent_equals_the_exact_engine_and_peft(base, adapters, tokenizer, name):
+    prompts = prompts_for(tokenizer, 3)
+    forkkv = forkkv_llm(base, adapters).generate(prompts, GREEDY, adapter=name)
+    exact = LLM(base, [adapters[name]], kv_cache_tokens=2048, block_size=BS).generate(prompts, GREEDY, adapter=name)
+    reference = peft_model(base, adapters[name])
+    for prompt, got, want in zip(prompts, forkkv, exact):
+        assert got.token_ids == want.token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)
+
+
+def test_forkkv_rows_beside_exact_rows_change_nothing(base, adapters, tokenizer):
+    """One step holding base, ICaRus, aLoRA, exact LoRA and ForkKV rows gives each what it gets alone."""
+    llm = LLM(base, [], kv_cache_tokens=4096, block_size=BS)
+    for name, path in adapters.items():
+        llm.engine.load_adapter(path, name)
+    llm.engine.load_adapter(adapters["lora-a"], "lora-a-forkkv", kv_layout="forkkv")
+    names = [None, "icarus-a", "lora-a", "lora-a-forkkv", "lora-b", "alora-a"]
+    prompts = [p + [i + 3] for i, p in enumerate(prompts_for(tokenizer, 3) * 2)]
+    prompts[3] = prompts[2]  # exact LoRA and ForkKV, same adapter, same prompt
+    together = llm.generate(prompts, GREEDY, adapter=names)
+    for prompt, name, out in zip(prompts, names, together):
+        alone = LLM(base, [], kv_cache_tokens=4096, block_size=BS)
+        if name is not None:
+            alone.engine.load_adapter(adapters[name.removesuffix("-forkkv")], name,
+                                      kv_layout="forkkv" if name.endswith("forkkv") else None)
+        assert out.token_ids == run(alone, prompt, name)[0], name
+    assert together[2].token_ids == together[3].token_ids  # ForkKV alone equals exact LoRA
+
+
+@pytest.mark.parametrize("name", [None, "icarus-a", "alora-a", "lora-a-exact"])
+def test_exact_kinds_never_read_forkkv_blocks(base, adapters, tokenizer, invocation, name):
+    llm = forkkv_llm(base, adapters)
+    llm.engine.load_adapter(adapters["lora-a"], "lora-a-exact", kv_layout="exact")
+    prompt = prompts_for(tokenizer, 1)[0] * 2 + invocation
+    run(llm, prompt, "lora-a")
+    assert run(llm, prompt, name)[1] == 0
+
+
+def test_residuals_are_private_to_their_adapter(base, adapters, tokenizer):
+    llm = forkkv_llm(base, adapters)
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    full = len(prompt) // BS * BS
+    run(llm, prompt, "lora-a")
+    before = llm.engine.stats()
+    assert run(llm, prompt, "lora-b")[1] == 0  # base part found, residual not: recomputed
+    after = llm.engine.stats()
+    assert after["forkkv_residual_hit_tokens"] == before["forkkv_residual_hit_tokens"]
+    assert run(llm, prompt, "lora-a")[1] == full  # its own residual and the shared base part
+    assert llm.engine.stats()["forkkv_residual_hit_tokens"] - after["forkkv_residual_hit_tokens"] == full
+
+
+def test_forkkv_reads_exact_base_blocks_but_never_writes_them(base, adapters, tokenizer):
+    llm = forkkv_llm(base, adapters)
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    base_out, _ = run(llm, prompt)
+    blocks = sorted({b for b, key in enumerate(llm.engine._blocks.blocks) if key.key is not None})
+    snapshot = llm.engine.runner.kv_cache[:, :, blocks].clone()
+    run(llm, prompt, "lora-a")
+    assert llm.engine.stats()["prefix_hit_tokens_forkkv_base"] == 0  # residual missing: nothing resumed
+    assert torch.equal(llm.engine.runner.kv_cache[:, :, blocks], snapshot)  # base blocks untouched
+    assert llm.engine.kv_usage()["kv"]["blocks_in_use"] == 0
+    tokens, cached = run(llm, prompt, "lora-a")  # now its residual is cached: base part + residual reused
+    assert cached == len(prompt) // BS * BS
+    assert run(llm, prompt) == (base_out, len(prompt) // BS * BS)  # the base still reads its own KV
+
+
+def test_layer_zero_base_part_is_the_base_models_kv(base, adapters, tokenizer):
+    """At layer 0 every agent's hidden state is the embedding, so the shared part is exact
+    there; past it, the adapter's hidden states make it differ."""
+    prompt = prompts_for(tokenizer, 1)[0]
+    pools = []
+    for adapter in (None, "lora-a"):
+        llm = forkkv_llm(base, adapters)
+        run(llm, prompt, adapter, SamplingParams(max_tokens=1))  # only the prompt's full blocks stay
+        blocks = [b for b, info in enumerate(llm.engine._blocks.blocks) if info.key is not None]
+        pools.append(llm.engine.runner.kv_cache[:, :, sorted(blocks)])
+    torch.testing.assert_close(pools[1][:, 0], pools[0][:, 0], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(pools[1][:, 1], pools[0][:, 1], atol=1e-4)
+
+
+@pytest.mark.parametrize("evict", ["residual", "base"])
+def test_decoupled_eviction_recomputes_only_the_missing_part(base, adapters, tokenizer, evict):
+    """Each pool evicts on its own; a request whose other part survived resumes from the
+    shorter cached prefix and gets the same tokens."""
+    prompt = prompts_for(tokenizer, 2)[1] * 2
+    full = len(prompt) // BS * BS
+    small = {"forkkv_residual_tokens": 96} if evict == "residual" else {"kv_cache_tokens": 96}
+    llm = forkkv_llm(base, adapters, **small)
+    first, _ = run(llm, prompt, "lora-a")
+    stats = llm.engine.stats()
+    filler = prompts_for(tokenizer, 3)[2] * 3
+    run(llm, filler, "lora-b" if evict == "residual" else None)  # fills the pool under test
+    again, cached = run(llm, prompt, "lora-a")
+    assert again == first
+    after = llm.engine.stats()
+    residual_hits = after["forkkv_residual_hit_tokens"] - stats["forkkv_residual_hit_tokens"]
+    if evict == "residual":  # base part all there, residual only a prefix: resume from it
+        assert after["forkkv_residual_evictions"] > stats["forkkv_residual_evictions"]
+        assert after["evictions"] == stats["evictions"]
+        assert cached == residual_hits < full
+    else:  # residual all there, base part only a prefix: resume from that
+        assert after["evictions"] > stats["evictions"] and after["forkkv_residual_evictions"] == 0
+        assert residual_hits == full and cached < full
+
+
+def test_kv_usage_reports_the_residual_pool(base, adapters, tokenizer):
+    llm = forkkv_llm(base, adapters)
+    run(llm, prompts_for(tokenizer, 1)[0], "lora-a")
+    usage = llm.engine.kv_usage()
+    res = usage["forkkv_residual"]
+    assert res["blocks_holding_kv"] > 0
+    per_token_base = usage["kv"]["bytes_holding_kv"] / (usage["kv"]["blocks_holding_kv"] * BS)
+    per_token_res = res["bytes_holding_kv"] / (res["blocks_holding_kv"] * BS)
+    assert per_token_res < per_token_base  # rank r per layer, not kv_heads x head_dim
+
+
+def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
+    llm = LLM(base, [], kv_cache_tokens=256, block_size=BS)
+    with pytest.raises(KvshareError, match="is for lora adapters"):
+        llm.engine.load_adapter(adapters["icarus-a"], kv_layout="forkkv")
+    with pytest.raises(KvshareError, match="unknown kv_layout"):
+        llm.engine.load_adapter(adapters["lora-a"], kv_layout="fork")
+    with pytest.raises(KvshareError, match="holds rank 1 at most"):
+        LLM(base, [adapters["lora-a"]], kv_cache_tokens=256, kv_layout="forkkv", forkkv_max_rank=1)
+    with pytest.raises(KvshareError, match="kv_layout must be"):
+        LLM(base, [], kv_layout="forked")
