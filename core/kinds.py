@@ -29,6 +29,7 @@ class ShareScope(str, Enum):
     BEFORE_INVOCATION = "before_invocation"  # base KV up to the invocation start
     ALL = "all"  # keys and values always come from the frozen base
     FORKKV = "forkkv"  # base part of K/V shared among ForkKV agents (approximate); rank-r residual private
+    FULL_REUSE = "full_reuse"  # whole lora K/V shared as-is (ForkKV's quality baseline)
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -139,7 +140,16 @@ FORKKV_LORA = KindSpec(
     "Approximate past layer 0 when another agent computed the shared part.",
     kv_adapted="always", query_adapted="always", default_targets=ALL_PROJECTIONS, kv_layout="forkkv",
 )
-KV_LAYOUTS = ("exact", "forkkv")
+# "Full reuse", the baseline ForkKV is measured against (the paper's Table 2): a lora agent
+# reads the whole K/V of whichever lora agent computed the tokens first, adapter deltas
+# included. Wrong by construction; kept in a namespace of its own and served only when asked.
+FULL_REUSE_LORA = KindSpec(
+    AdapterKind.LORA, ShareScope.FULL_REUSE,
+    "Conventional LoRA whose whole K/V is shared as-is with every other full-reuse lora agent "
+    "(a quality baseline for ForkKV, not a serving mode: another adapter's K/V is read unchanged).",
+    kv_adapted="always", query_adapted="always", default_targets=ALL_PROJECTIONS, kv_layout="full_reuse",
+)
+KV_LAYOUTS = ("exact", "forkkv", "full_reuse")
 
 
 def serving_spec(kind: AdapterKind | str | None, kv_layout: str = "exact") -> KindSpec:
@@ -151,9 +161,9 @@ def serving_spec(kind: AdapterKind | str | None, kv_layout: str = "exact") -> Ki
     if kv_layout == "exact":
         return spec
     if spec.kind is not AdapterKind.LORA:
-        raise KvshareError(f"kv_layout 'forkkv' is for lora adapters; a {spec.name} adapter "
+        raise KvshareError(f"kv_layout {kv_layout!r} is for lora adapters; a {spec.name} adapter "
                            f"{'already shares base KV' if spec.kind else 'has no residual'}")
-    return FORKKV_LORA
+    return FORKKV_LORA if kv_layout == "forkkv" else FULL_REUSE_LORA
 
 
 def parse_kind(value: str) -> AdapterKind:

@@ -44,8 +44,8 @@ class EngineConfig:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
         if not self.host_bandwidth_gbps > 0:
             raise KvshareError("host_bandwidth_gbps must be positive")
-        if self.kv_layout not in ("exact", "forkkv"):
-            raise KvshareError(f"kv_layout must be exact or forkkv, not {self.kv_layout!r}")
+        if self.kv_layout not in ("exact", "forkkv", "full_reuse"):
+            raise KvshareError(f"kv_layout must be exact, forkkv or full_reuse, not {self.kv_layout!r}")
         if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):
             raise KvshareError("forkkv_max_rank and forkkv_residual_tokens must be at least 1")
 
@@ -77,9 +77,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    help="simulated host<->device copy rate on CPU, GB/s (default 25: about PCIe 4.0 x16)")
     g.add_argument("--prefetch-steps", type=int, default=0,
                    help="load back the fixed prompts of agents due within this many steps (default 0: off)")
-    g.add_argument("--kv-layout", choices=["exact", "forkkv"], default="exact",
-                   help="KV of lora adapters: exact (private, default) or forkkv (ForkKV: base part shared "
-                   "among lora agents, rank-r residual private; approximate, saves memory)")
+    g.add_argument("--kv-layout", choices=["exact", "forkkv", "full_reuse"], default="exact",
+                   help="KV of lora adapters: exact (private, default), forkkv (ForkKV: base part shared "
+                   "among lora agents, rank-r residual private; approximate, saves memory) or full_reuse "
+                   "(whole KV shared as-is: a quality baseline, wrong by construction)")
     g.add_argument("--forkkv-max-rank", type=int, default=16, help="ForkKV residual width: largest lora rank")
     g.add_argument("--forkkv-residual-tokens", type=int,
                    help="ForkKV residual pool capacity in tokens (default: 4x --kv-cache-tokens)")

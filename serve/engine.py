@@ -94,6 +94,25 @@ class LLMEngine:
             self._ensure_residual_pool()
         return self._adapters.load(path, name, kv_layout)
 
+    def hidden_states(self, prompt: list[int], adapter: str | None = None) -> torch.Tensor:
+        """(layers, hidden) float32: each decoder layer's output at the prompt's last position,
+        run through the cache like any request (what ForkKV's divergence is measured on: the
+        same row under exact, ForkKV and full-reuse KV). Needs an idle engine."""
+        if self.has_unfinished():
+            raise KvshareError("hidden_states needs an idle engine (other requests share its steps)")
+        model = self.runner.model
+        request_id = self.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), adapter=adapter)
+        model.hidden_capture = captured = []
+        try:
+            while self.has_unfinished():
+                outputs = self.step()
+                if any(o.request_id == request_id for o in outputs):
+                    break
+        finally:
+            model.hidden_capture = None
+        layers = model.n_layers
+        return torch.stack(captured[-layers:])[:, -1]  # the step that sampled: its logit row
+
     def _ensure_residual_pool(self) -> None:
         """ForkKV's residual pool and its index, made with the first ForkKV adapter."""
         if self._blocks.residual is not None:

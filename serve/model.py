@@ -83,6 +83,7 @@ class Model:
                 "k_norm": w.get(f"{a}k_norm.weight"),
             })
         self.q_size, self.kv_size = self.n_q * self.head_dim, self.n_kv * self.head_dim
+        self.hidden_capture: list[torch.Tensor] | None = None  # set to a list: each layer's output at the logit rows
         self.inter = w["model.layers.0.mlp.down_proj.weight"].shape[1]
         hidden = c.hidden_size
         # the fused matmuls and the projections (with output sizes) each one holds
@@ -142,6 +143,8 @@ class Model:
             gate, up = adapt(i, "gate_up", x, linear(x, L["gate_up"]))
             act = F.silu(gate) * up
             h = h + adapt(i, "down", act, linear(act, L["down"]))[0]
+            if self.hidden_capture is not None:
+                self.hidden_capture.append(h[batch.logit_rows].float())
         h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
         return linear(h, self.lm_head).float()
 

@@ -156,3 +156,40 @@ def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
         LLM(base, [adapters["lora-a"]], kv_cache_tokens=256, kv_layout="forkkv", forkkv_max_rank=1)
     with pytest.raises(KvshareError, match="kv_layout must be"):
         LLM(base, [], kv_layout="forked")
+
+
+def test_full_reuse_shares_whole_kv_among_its_agents_only(base, adapters, tokenizer):
+    """The quality baseline: lora-b reads lora-a's whole K/V (so it hits everything), and no
+    exact kind or ForkKV agent ever reads it."""
+    llm = LLM(base, [], kv_cache_tokens=4096, block_size=BS)
+    for name in ("lora-a", "lora-b"):
+        llm.engine.load_adapter(adapters[name], name, kv_layout="full_reuse")
+    llm.engine.load_adapter(adapters["lora-a"], "lora-a-forkkv", kv_layout="forkkv")
+    llm.engine.load_adapter(adapters["icarus-a"], "icarus-a")
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    run(llm, prompt, "lora-a")
+    assert run(llm, prompt, "lora-b")[1] == len(prompt) // BS * BS
+    for name in ("lora-a-forkkv", "icarus-a"):  # (neither writes blocks the next could read)
+        assert run(llm, prompt, name)[1] == 0, name
+    assert llm.engine.stats()["prefix_hit_tokens_lora_full_reuse"] == len(prompt) // BS * BS
+
+
+def test_hidden_states_show_where_shared_kv_diverges(base, adapters, tokenizer):
+    """Agent lora-b answering over lora-a's context: with ForkKV the per-layer hidden states
+    stay closer to exact than with full reuse; its own context alone, ForkKV is exact."""
+    context = prompts_for(tokenizer, 2)[1] * 2
+    question = context + prompts_for(tokenizer, 1)[0]
+    states = {}
+    for layout in ("exact", "forkkv", "full_reuse"):
+        llm = LLM(base, [], kv_cache_tokens=4096, block_size=BS)
+        for name in ("lora-a", "lora-b"):
+            llm.engine.load_adapter(adapters[name], name, kv_layout=layout)
+        run(llm, context, "lora-a")  # the first agent computes the shared context
+        states[layout] = llm.engine.hidden_states(question, "lora-b")
+    alone = LLM(base, [adapters["lora-b"]], kv_cache_tokens=4096, block_size=BS, kv_layout="forkkv")
+    torch.testing.assert_close(alone.engine.hidden_states(question, "lora-b"), states["exact"],
+                               atol=1e-4, rtol=1e-4)
+    cosine = {k: torch.nn.functional.cosine_similarity(v, states["exact"], dim=-1) for k, v in states.items()}
+    assert cosine["forkkv"].min() > cosine["full_reuse"].min()
+    assert cosine["forkkv"].mean() < 1 - 1e-7  # the shared part is not lora-b's own: not exact
+    assert states["exact"].shape == (alone.engine.runner.model.n_layers, alone.engine.runner.model.config.hidden_size)
