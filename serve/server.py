@@ -542,7 +542,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         for adapter in engine.adapters():
             data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
                          "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
-                         "kv_sharing": adapter.manifest["kv_sharing"]["scope"]})
+                         "kv_sharing": adapter.spec.scope.value})  # as served (ForkKV: "forkkv")
         return {"object": "list", "data": data}
 
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

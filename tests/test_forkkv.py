@@ -193,3 +193,57 @@ def test_hidden_states_show_where_shared_kv_diverges(base, adapters, tokenizer):
     assert cosine["forkkv"].min() > cosine["full_reuse"].min()
     assert cosine["forkkv"].mean() < 1 - 1e-7  # the shared part is not lora-b's own: not exact
     assert states["exact"].shape == (alone.engine.runner.model.n_layers, alone.engine.runner.model.config.hidden_size)
+
+
+def test_forkkv_agents_through_the_server_and_the_workflow_runtime(base, adapters, tokenizer):
+    """Two lora agents take ReAct turns over HTTP: with ForkKV they resume exactly where exact
+    LoRA agents do (each from its own residual) while the history's base part is held once."""
+    import asyncio
+
+    from kvshare.serve import LLMEngine
+    from kvshare.serve.workflow import Agent, RoundRobin, ServerBackend, Workflow
+    from test_server import KEY, running_server
+
+    history = [t for p in prompts_for(tokenizer, 3) for t in p] * 3
+    agents = [Agent("planner", "lora-a", "You plan."), Agent("checker", "lora-b", "You check.")]
+    runs = {}
+    for layout in ("exact", "forkkv"):
+        engine = LLMEngine(base, [adapters["lora-a"], adapters["lora-b"]], kv_cache_tokens=4096, block_size=BS,
+                           kv_layout=layout)
+        with running_server(engine) as server:
+            import openai
+
+            cards = {m.id: m.model_extra for m in openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY)
+                     .models.list().data}
+            assert cards["lora-a"]["kv_sharing"] == ("forkkv" if layout == "forkkv" else "none")
+            flow = Workflow(0, ServerBackend(server["url"] + "/v1", KEY, "tiny-base", tokenizer, ignore_eos=True),
+                            history, max_tokens=5)
+            asyncio.run(flow.react(RoundRobin(agents), turns=4))
+        runs[layout] = (flow.records, engine.kv_usage(), engine.stats())
+    (exact, exact_usage, _), (fork, fork_usage, fork_stats) = runs["exact"], runs["forkkv"]
+    # the first two calls see the same tokens in both modes (the first agent's first answer is
+    # exact); later ones hold the second agent's approximate answer (its text, tokenised
+    # again), so only the third call, which resumes from the first agent's own first call, is
+    # compared: it resumes exactly where exact LoRA does
+    assert [r.prompt_tokens for r in fork[:2]] == [r.prompt_tokens for r in exact[:2]]
+    assert [r.cached_tokens for r in fork[:3]] == [r.cached_tokens for r in exact[:3]]
+    assert fork[2].cached_tokens > 0 and fork[3].cached_tokens > 0
+    assert fork_stats["prefix_hit_tokens_forkkv_base"] > 0
+    assert fork_usage["kv"]["blocks_holding_kv"] < exact_usage["kv"]["blocks_holding_kv"]
+
+
+def test_forkkv_benchmark_measures_memory_concurrency_and_workflows(tiny_models, tmp_path):
+    """Figures are printed, not asserted; what must hold regardless of speed is: the measured
+    KV bytes follow 1/N + r/n, ForkKV fits more agents in the same bytes, every mode ran."""
+    from kvshare.eval.perf.forkkv import run_forkkv_bench
+
+    results = run_forkkv_bench(model=str(tiny_models("llama")), agent_counts=(2, 4), context_tokens=64, rank=4,
+                               block_size=8, concurrent=6, budget_contexts=2, decode_tokens=4, workflow_agents=2,
+                               workflow_qps=(50.0,), workflows=2, turns=2, out_dir=tmp_path)
+    for row in results["memory"]:
+        assert abs(row["off_formula"]) < 0.05 and row["measured_ratio"] < 1
+    peak = {r["mode"]: r["peak_running"] for r in results["concurrency"]}
+    assert peak["forkkv"] > peak["lora"] and peak["forkkv"] == 6
+    assert {p["mode"] for p in results["workflow"]["points"]} == {"icarus", "lora", "forkkv"}
+    for name in ("forkkv_bench.json", "forkkv_bench.md", "forkkv_memory.png"):
+        assert (tmp_path / name).stat().st_size > 0

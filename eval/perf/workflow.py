@@ -7,6 +7,8 @@ token, tokens and cache hits are recorded. Modes:
 - ``icarus``: N ICaRus adapters, one shared cache (prefix reuse across agents);
 - ``alora``: N aLoRA adapters, each turn ends with the agent's invocation;
 - ``lora``: N conventional adapters with per-adapter prefix caching (what vLLM/SGLang do);
+- ``forkkv``: the same conventional adapters served with ForkKV (shared base part, private
+  rank-r residual), in the bytes of the ``lora`` pool (base and residual pools together);
 - ``hf``: transformers + PEFT, every call recomputed from scratch, one call at a time;
 - ``vllm-lora`` / ``vllm-base`` (``--peer vllm``): vLLM's CPU build serving the same LoRA
   adapters with prefix caching (the paper's baseline), and the base alone for every agent
@@ -38,6 +40,7 @@ from .common import percentile, setup, write_report as _write
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, kv_space_gib, vllm_serve_command
 
 PEER_MODES = ("vllm-lora", "vllm-base")
+RANDOM_RANK = 8  # of the random adapters (ForkKV's residual width)
 
 
 def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int]]:
@@ -65,8 +68,8 @@ def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> 
             continue
         text = f"<|im_start|>agent{i}<|im_end|>"
         invocation = tokenizer.encode(text, add_special_tokens=False) if kind == "alora" else None
-        adapter_kind = "lora" if kind in ("hf", "vllm-lora") else kind
-        path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, invocation=text,
+        adapter_kind = "lora" if kind in ("hf", "vllm-lora", "forkkv") else kind
+        path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, rank=RANDOM_RANK, invocation=text,
                               tokenizer=tokenizer)
         agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
         paths.append(path)
@@ -153,7 +156,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     with tempfile.TemporaryDirectory(prefix="kvshare-wf-") as tmp:
         for mode in modes:
             for n in agents:
-                engine = LLMEngine(model_dir, kv_cache_tokens=kv_cache_tokens, dtype=dtype, max_num_batched_tokens=1024)
+                engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=1024,
+                                   **_pool_settings(mode, n, model_dir, kv_cache_tokens))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
                 team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
                 runner = None
@@ -190,6 +194,20 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     if out_dir:
         write_report(results, Path(out_dir))
     return results
+
+
+def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int) -> dict:
+    """KV settings of one mode: ``forkkv`` gets the bytes of the ``kv_cache_tokens`` exact
+    pool, split into a base pool and a residual pool (the random adapters' rank)."""
+    if mode != "forkkv":
+        return {"kv_cache_tokens": kv_cache_tokens}
+    from transformers import AutoConfig
+
+    from .forkkv import same_memory_settings
+
+    c = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    width = c.num_key_value_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return same_memory_settings(kv_cache_tokens, width, RANDOM_RANK, agents)
 
 
 def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evictions, peak) -> dict:
