@@ -193,24 +193,25 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
                             b_v: torch.Tensor, lora_scales: torch.Tensor, rope_cos: torch.Tensor,
                             rope_sin: torch.Tensor, meta: AttentionMetadata, residual: ResidualMetadata,
                             scale: float) -> torch.Tensor:
-    """:func:`residual_attention_ref`'s result with one SDPA call per sequence (the engine's
-    torch path; the block loop is the oracle and the Triton kernel's shape).
+    """:func:`residual_attention_ref`'s result through SDPA, one call per sequence (the
+    engine's torch path; the block loop is the oracle and the Triton kernel's shape).
 
-    Keys are rebuilt for the whole context (``K_base + RoPE(scale R_k B_k)``: one
-    (keys, r) x (r, kv_heads * d) matmul); the values stay apart as in the kernel: each KV
-    head's value rows are ``[V_base | R_v]`` (width d + r), so one softmax-weighted sum gives
-    both accumulators and ``scale B_v`` is applied once to the r-wide part after it.
-    Computes in q's dtype, as :func:`~kvshare.kernels.attention.paged_attention_ref` does.
+    K and V are rebuilt for the sequence's context, ``K_base + RoPE(scale R_k B_k)`` and
+    ``V_base + scale R_v B_v``: two (keys, r) x (r, kv_heads * d) matmuls, cheaper than the
+    attention itself, after which SDPA runs on plain shapes (its fused causal path). The
+    kernel's ``(P R_v) B_v`` order saves memory traffic on a GPU; on CPU rebuilding V is
+    the faster of the two (``P (R_v B_v)`` is the same sum). Computes in q's dtype, as
+    :func:`~kvshare.kernels.attention.paged_attention_ref` does.
     """
     n_q, d = q.shape[1], q.shape[2]
     n_kv, rank = k_base_cache.shape[2], k_res_cache.shape[-1]
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
-    group = n_q // n_kv
     keys_all = k_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
     values_all = v_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
     r_k_all = k_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
     r_v_all = v_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
+    cos, sin = rope_cos.to(q.dtype), rope_sin.to(q.dtype)
     out = torch.empty_like(q)
     offset = 0
     for s, ((start, end), length, causal, all_last) in enumerate(zip(meta.seq_bounds, meta.seq_context,
@@ -220,16 +221,15 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
         window = slice(offset, offset + length)
         offset += length
         k_delta = (r_k_all[window] @ b_k[adapter].to(q.dtype).T * lora_scale).reshape(length, n_kv, d)
-        keys = keys_all[window] + apply_rope(k_delta, rope_cos[:length].to(q.dtype), rope_sin[:length].to(q.dtype))
-        values = torch.cat([values_all[window], r_v_all[window][:, None, :].expand(length, n_kv, rank)], dim=-1)
+        keys = keys_all[window] + apply_rope(k_delta, cos[:length], sin[:length])
+        values = values_all[window] + (r_v_all[window] @ b_v[adapter].to(q.dtype).T * lora_scale).reshape(
+            length, n_kv, d)
         mask = None
         if not causal and not all_last:
             positions = meta.positions[start:end]
             mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
         attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                               values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
-                                              is_causal=causal, enable_gqa=group > 1)[0]  # (q_heads, rows, d + r)
-        b_v_heads = b_v[adapter].to(q.dtype).reshape(n_kv, d, rank).repeat_interleave(group, dim=0)
-        result = attn[..., :d] + lora_scale * torch.einsum("hlr,hdr->hld", attn[..., d:], b_v_heads)
-        out[start:end] = result.transpose(0, 1)
+                                              is_causal=causal, enable_gqa=n_q != n_kv)
+        out[start:end] = attn[0].transpose(0, 1)
     return out
