@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..errors import KvshareError
-from .config import add_engine_arguments, add_server_arguments, engine_config_from_args, server_limits_from_args
+from .config import (RAY_ONLY_FLAGS, add_engine_arguments, add_ray_arguments, add_server_arguments,
+                     engine_config_from_args, server_limits_from_args)
 
 
 def parse_lora_module(value: str, served_names: list[str]) -> tuple[str, str]:
@@ -42,6 +43,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
+    given = [name for name in RAY_ONLY_FLAGS if getattr(args, name) not in (None, False)]
+    if given and not args.ray:
+        raise KvshareError(f"--{given[0].replace('_', '-')} needs --ray")
     if args.model and args.model_positional and args.model != args.model_positional:
         raise KvshareError(f"two models given: {args.model_positional!r} and --model {args.model!r}")
     args.model = args.model or args.model_positional
@@ -55,10 +59,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
     enable_loading = args.enable_lora_loading or \
         os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+    if args.ray:
+        return _serve_on_ray(args, api_key, lora_modules, enable_loading)
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
           config=engine_config_from_args(args), limits=server_limits_from_args(args),
           lora_modules=lora_modules, served_model_name=args.served_model_name,
           enable_lora_loading=enable_loading)
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None, lora_modules: list[tuple[str, str]],
+                  enable_loading: bool) -> int:
+    """``kvshare serve --ray``: the same app in every replica of a Ray Serve deployment."""
+    try:
+        from .ray import EngineSpec, RayServeOptions, serve_forever
+    except ImportError as err:
+        raise KvshareError(f"--ray needs Ray Serve: pip install 'kvshare[ray]' ({err})") from None
+
+    options = RayServeOptions(
+        replicas=2 if args.replicas is None else args.replicas,
+        num_cpus_per_replica=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
+        num_gpus_per_replica=args.num_gpus_per_replica or 0.0, threads_per_replica=args.threads_per_replica,
+        affinity=not args.no_affinity)
+    spec = EngineSpec(args.model, tuple(args.adapter or []), engine_config_from_args(args),
+                      server_limits_from_args(args), api_key, tuple(args.served_model_name or []) or None,
+                      tuple(lora_modules), enable_loading)
+    serve_forever(spec, options, host=args.host, port=args.port, ray_address=args.ray_address)
     return 0
 
 
@@ -88,4 +114,5 @@ def register(sub) -> None:
                    "which other users cannot read from the process list)")
     add_engine_arguments(p)
     add_server_arguments(p)
+    add_ray_arguments(p)
     p.set_defaults(func=_cmd_serve)

@@ -128,3 +128,23 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvshare serve --ray``: engine replicas on Ray Serve (the ``kvshare[ray]`` extra)."""
+    g = parser.add_argument_group("Ray Serve (pip install 'kvshare[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve from Ray Serve replicas, each an engine with the same base and adapters")
+    g.add_argument("--replicas", type=int, help="engine replicas (default 2)")
+    g.add_argument("--num-cpus-per-replica", type=float, help="Ray CPUs reserved per replica (default 1)")
+    g.add_argument("--num-gpus-per-replica", type=float, help="Ray GPUs reserved per replica (default 0)")
+    g.add_argument("--threads-per-replica", type=int,
+                   help="torch/OpenMP threads in each replica (default: its CPUs; Ray would set 1)")
+    g.add_argument("--ray-address", help="join this Ray cluster (e.g. auto, or ray://HOST:10001); "
+                   "default: start a local one")
+    g.add_argument("--no-affinity", action="store_true",
+                   help="balance every request by load (no workflow affinity): the control experiment")
+
+
+RAY_ONLY_FLAGS = ("replicas", "num_cpus_per_replica", "num_gpus_per_replica", "threads_per_replica",
+                  "ray_address", "no_affinity")

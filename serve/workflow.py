@@ -111,39 +111,72 @@ class ServerBackend:
     OpenAI client, streamed; the final usage chunk gives the prompt tokens served from cache."""
 
     def __init__(self, base_url: str, api_key: str, base_model: str, tokenizer, send_hints: bool = True,
-                 ignore_eos: bool = False, text_prompts: bool = False):
+                 ignore_eos: bool = False, text_prompts: bool = False, retries: int = 0,
+                 retry_delay_s: float = 0.5):
         """``send_hints=False`` for servers other than kvshare (vLLM as a benchmark peer): the
         workflow id still goes as the ``x-session-id`` header routers read. ``ignore_eos``
         (vLLM's field) makes every call generate ``max_tokens``, as the in-process backend does.
         ``text_prompts`` sends the prompt as text, for routers that take no token ids (``smg``);
-        the server tokenises it again, which may split the text differently than the ids did."""
+        the server tokenises it again, which may split the text differently than the ids did.
+        ``retries``: a call that fails to connect, gets a 5xx or a stream cut short (a replica
+        that died) is sent again, up to this many times, ``retry_delay_s`` apart. ``calls``
+        logs every answered call with the replica that served it (``x-kvshare-replica``)."""
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         self.base_model = base_model
         self.tokenizer = tokenizer
         self.send_hints, self.ignore_eos, self.text_prompts = send_hints, ignore_eos, text_prompts
+        self.retries, self.retry_delay_s = retries, retry_delay_s
+        self.calls: list[dict] = []
 
     async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
                        hints: dict) -> tuple[list[int], int, float]:
-        first, text, cached = None, "", 0
+        import openai
+
+        start = time.perf_counter()
+        for attempt in range(self.retries + 1):
+            try:
+                answer = await self._complete_once(prompt, adapter, max_tokens, hints, attempt)
+                self.calls[-1]["start"] = start
+                return answer
+            except (openai.APIConnectionError, openai.InternalServerError, _CutShort):
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.retry_delay_s)
+        raise AssertionError("unreachable")
+
+    async def _complete_once(self, prompt: list[int], adapter: str | None, max_tokens: int, hints: dict,
+                             attempt: int) -> tuple[list[int], int, float]:
+        first, text, cached, usage = None, "", 0, None
         headers = {"x-session-id": hints["workflow_id"], "x-kvshare-agent-id": hints["agent_id"]}
         body = {"kvshare_hints": hints} if self.send_hints else {}
         if self.ignore_eos:
             body["ignore_eos"] = True
         sent = self.tokenizer.decode(prompt) if self.text_prompts else prompt
-        stream = await self.client.completions.create(
+        raw = await self.client.completions.with_raw_response.create(
             model=adapter or self.base_model, prompt=sent, max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body=body, extra_headers=headers)
-        async for chunk in stream:
+        async for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter()
                 text += chunk.choices[0].text
+            usage = chunk.usage or usage
             details = chunk.usage and chunk.usage.prompt_tokens_details
             if details and details.cached_tokens:
                 cached = details.cached_tokens
+        if usage is None:  # the stream ended before its usage chunk: the server went away
+            raise _CutShort()
         first = first or time.perf_counter()
+        self.calls.append({"workflow_id": hints["workflow_id"], "agent_id": hints["agent_id"],
+                           "replica": raw.headers.get("x-kvshare-replica"), "node": raw.headers.get("x-kvshare-node"),
+                           "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached, "attempts": attempt + 1,
+                           "end": time.perf_counter()})
         return self.tokenizer.encode(text, add_special_tokens=False), cached, first
+
+
+class _CutShort(Exception):
+    """A streamed reply that ended without its usage chunk."""
 
 
 @dataclass

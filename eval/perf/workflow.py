@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ...errors import KvshareError
 from ...random_adapters import random_adapter
 from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
@@ -251,6 +252,109 @@ def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], path
                                  None, None) | {"peer_kv_cache_gib": kv_gib})
             bar.update()
     return points
+
+
+def run_ray_workflow_bench(replicas: int, model: str = "smollm2-135m-instruct", agents: tuple[int, ...] = (3,),
+                           qps: tuple[float, ...] = (1.0,), modes: tuple[str, ...] = ("icarus",),
+                           affinity: tuple[str, ...] = ("on", "off"), workflows: int = 8, turns: int = 4,
+                           context_tokens: int = 512, max_tokens: int = 16, tool_delay: float = 0.0,
+                           observation_tokens: int = 32, kv_cache_tokens: int | None = None,
+                           dtype: str = "float32", threads: int = 1, out_dir: str | Path | None = None) -> dict:
+    """The ReAct workload over ``replicas`` kvshare replicas on a local Ray Serve (``threads``
+    per replica), with workflow affinity ``on`` and ``off`` (Ray's load router). Each
+    (affinity, agents) pair gets fresh replicas; each QPS point its own HotpotQA questions, so
+    no point reads another's cache. The hit rate is the cached share of prompt tokens, overall
+    and per replica (from each reply's usage and ``x-kvshare-replica``)."""
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from ...serve.config import EngineConfig
+    from ...serve.ray import APP_NAME, EngineSpec, RayServeOptions, start
+
+    bad = sorted(set(modes) - {"icarus", "alora", "lora"})
+    if bad:
+        raise KvshareError(f"--ray runs kvshare modes only (icarus, alora, lora), not {', '.join(bad)}")
+    model_dir = setup(model, threads)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
+    config = EngineConfig(dtype=dtype, kv_cache_tokens=kv_cache_tokens, max_num_batched_tokens=1024)
+    tool = SimulatedTool(tool_delay, observation_tokens)
+    all_contexts = hotpot_contexts(tokenizer, workflows * len(qps), context_tokens)
+    if len(all_contexts) < workflows * len(qps):
+        raise KvshareError(f"only {len(all_contexts)} HotpotQA questions for {workflows} x {len(qps)} workflows")
+    points, port = [], free_port()  # Ray Serve keeps its first HTTP port for the cluster's life
+    ray.init(num_cpus=replicas * threads, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvshare-ray-wf-") as tmp:
+            for mode in modes:
+                for n in agents:
+                    team, paths = make_agents(mode, n, model_dir, tokenizer, Path(tmp) / f"{mode}-{n}")
+                    spec = EngineSpec(str(model_dir), tuple(str(p) for p in paths), config)
+                    for setting in affinity:
+                        options = RayServeOptions(replicas=replicas, num_cpus_per_replica=threads,
+                                                  threads_per_replica=threads, affinity=setting == "on")
+                        url = start(spec, options, port=port)
+                        for i, rate in enumerate(qps):
+                            backend = ServerBackend(url + "/v1", "EMPTY", str(model_dir), tokenizer,
+                                                    ignore_eos=True, retries=3)
+                            contexts = all_contexts[i * workflows:(i + 1) * workflows]
+                            flows, makespan, _ = asyncio.run(_run_point(backend, team, contexts, rate, turns,
+                                                                        max_tokens, tool, seed=n))
+                            point = _point(mode, n, rate, flows, makespan, _cached_share(backend.calls), None, None)
+                            points.append(point | {"affinity": setting, "replicas": replicas,
+                                                   "per_replica": _per_replica(backend.calls)})
+                        serve.delete(APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    results = {"model": str(model), "dtype": dtype, "replicas": replicas, "threads_per_replica": threads,
+               "workflows_per_point": workflows, "turns": turns, "context_tokens": context_tokens,
+               "max_tokens": max_tokens, "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
+               "kv_cache_tokens": kv_cache_tokens, "ray": ray.__version__,
+               "hit_rate": "cached share of prompt tokens (usage.prompt_tokens_details.cached_tokens)",
+               "adapters": "random (rank 8); speed does not depend on values", "points": points}
+    if out_dir:
+        _write(results, Path(out_dir), "ray_workflow_bench", ray_markdown)
+    return results
+
+
+def _cached_share(calls: list[dict]) -> float | None:
+    prompt = sum(c["prompt_tokens"] for c in calls)
+    return sum(c["cached_tokens"] for c in calls) / prompt if prompt else None
+
+
+def _per_replica(calls: list[dict]) -> dict[str, dict]:
+    """Calls, workflows, P95 latency and cached share of each replica that answered."""
+    by_replica: dict[str, list[dict]] = {}
+    for call in calls:
+        by_replica.setdefault(call["replica"] or "?", []).append(call)
+    return {replica: {"calls": len(mine), "workflows": len({c["workflow_id"] for c in mine}),
+                      "p95_latency_s": percentile([c["end"] - c["start"] for c in mine], 0.95),
+                      "hit_rate": _cached_share(mine),
+                      "split_workflows": sum(1 for wf in {c["workflow_id"] for c in mine}
+                                             if any(c["workflow_id"] == wf and c["replica"] != replica for c in calls))}
+            for replica, mine in sorted(by_replica.items())}
+
+
+def ray_markdown(results: dict) -> str:
+    """One row per point, then one per replica of each point."""
+    lines = [f"{results['replicas']} replicas x {results['threads_per_replica']} thread(s), {results['model']}, "
+             f"{results['workflows_per_point']} workflows x {results['turns']} turns per point; hit rate = "
+             "cached share of prompt tokens", "",
+             "| mode | affinity | agents | QPS | P50 s | P95 s | tok/s | workflows/s | hit rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        lines.append(f"| {p['mode']} | {p['affinity']} | {p['agents']} | {p['qps']} | {p['p50_latency_s']:.2f} | "
+                     f"{p['p95_latency_s']:.2f} | {p['tokens_per_s']:.1f} | {p['workflows_per_s']:.3f} | "
+                     f"{p['hit_rate']:.3f} |")
+    lines += ["", "| mode | affinity | agents | QPS | replica | calls | workflows (also on another) | P95 s | hit rate |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for p in results["points"]:
+        for replica, r in p["per_replica"].items():
+            lines.append(f"| {p['mode']} | {p['affinity']} | {p['agents']} | {p['qps']} | {replica} | {r['calls']} | "
+                         f"{r['workflows']} ({r['split_workflows']}) | {r['p95_latency_s']:.2f} | {r['hit_rate']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: dict) -> str:

@@ -1,0 +1,329 @@
+"""``kvshare serve --ray``: kvshare engines as Ray Serve replicas behind one HTTP address.
+
+Two deployments. ``KvshareEngine`` replicas each hold an engine over the same base and
+adapters and run the very app ``kvshare serve`` runs (:func:`.server.create_app`), called
+in-process as an ASGI app. ``KvshareGateway``, the ingress, reads a request's workflow id
+(the ``x-session-id`` header, else the body's ``kvshare_hints.workflow_id``) and forwards the
+request unchanged to an engine replica through a Ray handle carrying that id as its session
+id; the engines' router (:mod:`.ray_router`) then keeps every call of a workflow on one
+replica. Without affinity the engines use Ray's default router (power of two choices).
+Every reply names its replica in ``x-kvshare-replica`` (and its Ray node in ``x-kvshare-node``).
+
+Ray Serve restarts a replica that dies or fails its health check (the engine thread is
+gone) on any node with room; requests caught in a dead replica fail with a 503 and should
+be retried by the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..errors import KvshareError
+from .config import EngineConfig, ServerLimits
+from .ray_router import WorkflowAffinityRouter
+
+APP_NAME = "kvshare"
+ENGINE_DEPLOYMENT = "KvshareEngine"
+GATEWAY_DEPLOYMENT = "KvshareGateway"
+REPLICA_HEADER = "x-kvshare-replica"
+NODE_HEADER = "x-kvshare-node"
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass(frozen=True)
+class RayServeOptions:
+    """How many engine replicas, and what each gets."""
+
+    replicas: int = 2
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+    threads_per_replica: int | None = None  # default: num_cpus_per_replica, at least 1
+    affinity: bool = True  # workflow-affinity routing; False = Ray's default (load) router
+    max_ongoing_requests: int | None = None  # per replica; default: the server's max_waiting
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise KvshareError("--replicas must be at least 1")
+        if self.num_cpus_per_replica < 0 or self.num_gpus_per_replica < 0:
+            raise KvshareError("--num-cpus-per-replica and --num-gpus-per-replica must not be negative")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise KvshareError("--threads-per-replica must be at least 1")
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_replica or max(1, int(self.num_cpus_per_replica))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every replica serves: the arguments of ``kvshare serve`` (paths must exist on every node)."""
+
+    model: str
+    adapters: tuple[str, ...] = ()
+    config: EngineConfig | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    api_key: str | None = None
+    served_model_name: tuple[str, ...] | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_loading: bool = False
+
+
+class KvshareEngine:
+    """One replica: an engine and ``kvshare serve``'s app over it, called as an ASGI app."""
+
+    def __init__(self, spec: EngineSpec, threads: int):
+        # Ray sets OMP_NUM_THREADS=1 in its workers; a replica gets the threads it was given
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        from .engine import LLMEngine
+        from .server import create_app
+
+        engine = LLMEngine(spec.model, list(spec.adapters), spec.config)
+        for name, path in spec.lora_modules:
+            engine.load_adapter(path, name)
+        self.app = create_app(engine, api_key=spec.api_key, limits=spec.limits,
+                              served_model_name=list(spec.served_model_name or []) or None,
+                              enable_lora_loading=spec.enable_lora_loading)
+        self.runner = self.app.state.runner
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine thread died is replaced."""
+        if not self.runner.alive():
+            raise RuntimeError("the engine thread is not running")
+
+    async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                      body: bytes) -> AsyncIterator[dict | bytes]:
+        """Run one HTTP request through the app: yields the response head ({"status", "headers"})
+        and then its body chunks as they are produced. Cancelled (the client left): the app
+        sees a disconnect, which aborts the request's generation."""
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": query, "root_path": "", "headers": headers,
+                 "server": ("kvshare-replica", 0), "client": ("kvshare-gateway", 0)}
+        messages: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        delivered = False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            await messages.put(message)
+
+        app = asyncio.ensure_future(self.app(scope, receive, send))
+        app.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    head = list(message.get("headers", [])) + [(REPLICA_HEADER.encode(), self.replica.encode()),
+                                                               (NODE_HEADER.encode(), self.node.encode())]
+                    yield {"status": message["status"], "headers": head}
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield message["body"]
+                    if not message.get("more_body", False):
+                        break
+            if app.done() and not app.cancelled() and app.exception() is not None:
+                raise app.exception()
+        finally:
+            gone.set()
+            if not app.done():
+                try:
+                    await asyncio.wait_for(app, timeout=5)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    app.cancel()
+
+    def __del__(self):
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.shutdown()
+
+
+def workflow_id_of(headers, body: bytes) -> str | None:
+    """The routing key: the ``x-session-id`` header, else ``kvshare_hints.workflow_id`` in a
+    JSON body. Anything unreadable is no key (the engine's app judges the request itself)."""
+    if headers.get(SESSION_HEADER):
+        return headers[SESSION_HEADER]
+    if not body or b"kvshare_hints" not in body:
+        return None
+    try:
+        hints = json.loads(body).get("kvshare_hints")
+        workflow = hints.get("workflow_id") if isinstance(hints, dict) else None
+    except (ValueError, AttributeError):
+        return None
+    return str(workflow) if isinstance(workflow, (str, int)) and not isinstance(workflow, bool) else None
+
+
+def _error(status: int, message: str, kind: str = "server_error") -> Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+class KvshareGateway:
+    """The ingress: forwards each request, unchanged, to an engine replica picked by its
+    workflow id (sticky) or by load."""
+
+    def __init__(self, engine: DeploymentHandle, affinity: bool, max_request_bytes: int):
+        self.engine = engine.options(method_name="forward", stream=True)
+        self.affinity, self.max_request_bytes = affinity, max_request_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
+            return _error(413, f"the request body is over {self.max_request_bytes} bytes", "invalid_request_error")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return _error(413, f"the request body is over {self.max_request_bytes} bytes",
+                              "invalid_request_error")
+        workflow = workflow_id_of(request.headers, body) if self.affinity else None
+        handle = self.engine.options(session_id=workflow) if workflow else self.engine
+        headers = [(k, v) for k, v in request.scope["headers"]
+                   if k.lower() not in (b"content-length", b"transfer-encoding")]  # the body is whole now
+        headers.append((b"content-length", str(len(body)).encode()))
+        replies = handle.remote(request.method, request.url.path, request.scope.get("query_string", b""),
+                                headers, body)
+        try:
+            head = await replies.__anext__()
+        except StopAsyncIteration:
+            return _error(502, "the engine replica gave no reply")
+        except Exception as err:  # noqa: BLE001 - the replica died or could not be reached: retryable
+            replies.cancel()
+            return _error(503, f"the engine replica failed ({type(err).__name__}); retry the request")
+
+        async def rest() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in replies:
+                    yield chunk
+            except Exception:  # noqa: BLE001 - the replica died mid-reply: end the body early
+                return
+            finally:
+                replies.cancel()
+
+        response = StreamingResponse(rest(), status_code=head["status"])
+        response.raw_headers = [(k, v) for k, v in head["headers"]]
+        return response
+
+
+def build_app(spec: EngineSpec, options: RayServeOptions) -> serve.Application:
+    """The Ray Serve application: the gateway bound to ``options.replicas`` engine replicas."""
+    router = RequestRouterConfig(request_router_class=WorkflowAffinityRouter) if options.affinity \
+        else RequestRouterConfig()
+    actor = {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica,
+             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads),
+                                          "MKL_NUM_THREADS": str(options.threads)}}}
+    engine = serve.deployment(KvshareEngine, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
+                              ray_actor_options=actor, request_router_config=router,
+                              max_ongoing_requests=options.max_ongoing_requests or spec.limits.max_waiting,
+                              health_check_period_s=2, health_check_timeout_s=30,
+                              graceful_shutdown_timeout_s=5)
+    gateway = serve.deployment(KvshareGateway, name=GATEWAY_DEPLOYMENT, num_replicas=1,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    return gateway.bind(engine.bind(spec, options.threads), options.affinity, spec.limits.max_request_bytes)
+
+
+def start(spec: EngineSpec, options: RayServeOptions, *, host: str = "127.0.0.1", port: int = 8000,
+          ray_address: str | None = None, timeout_s: float = 600) -> str:
+    """Deploy onto the Ray cluster at ``ray_address`` (default: start a local one) and return
+    the base URL once every replica is up and the URL answers. The HTTP proxy runs on the head
+    node only; the first start on a cluster fixes its host and port (Ray Serve's rule)."""
+    _check_paths(spec)
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=False)
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    serve.run(build_app(spec, options), name=APP_NAME, route_prefix="/", blocking=False)
+    wait_healthy(options.replicas, timeout_s)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    _wait_answers(url, timeout_s)
+    return url
+
+
+def _wait_answers(url: str, timeout_s: float) -> None:
+    """Wait for ``url``/health to answer 200 through the proxy."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + min(timeout_s, 60)
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise KvshareError(f"nothing answers at {url}/health: is Ray Serve already running on this "
+                               "cluster with another host or port?")
+        time.sleep(0.2)
+
+
+def running_replicas() -> int:
+    """Engine replicas Ray Serve reports RUNNING now."""
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app and app.deployments.get(ENGINE_DEPLOYMENT)
+    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+
+def wait_healthy(replicas: int, timeout_s: float = 600) -> float:
+    """Wait until ``replicas`` engine replicas run; returns when (time.monotonic())."""
+    deadline = time.monotonic() + timeout_s
+    while running_replicas() < replicas:
+        if time.monotonic() > deadline:
+            raise KvshareError(f"Ray Serve did not bring up {replicas} kvshare replicas in {timeout_s:.0f} s "
+                               f"(status: {serve.status().applications.get(APP_NAME)})")
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def serve_forever(spec: EngineSpec, options: RayServeOptions, *, host: str = "127.0.0.1", port: int = 8000,
+                  ray_address: str | None = None) -> None:
+    """``kvshare serve --ray``: deploy, print the address, serve until interrupted."""
+    if not ray.is_initialized():  # the replicas' logs come to this terminal
+        ray.init(address=ray_address, include_dashboard=False, logging_level="WARNING")
+    url = start(spec, options, host=host, port=port, ray_address=ray_address)
+    routing = "workflow affinity (x-session-id / kvshare_hints.workflow_id)" if options.affinity else "load only"
+    print(f"kvshare: {options.replicas} replica(s) on Ray Serve at {url} ({routing}); Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)  # a cluster we joined keeps running; a local one ends with us
+        if ray_address is None:
+            serve.shutdown()
+        ray.shutdown()
+
+
+def _check_paths(spec: EngineSpec) -> None:
+    """Fail here, with one line, on a model or adapter folder that is not there (not in every replica)."""
+    from ..models import resolve_model_dir
+
+    resolve_model_dir(spec.model)
+    for path in list(spec.adapters) + [p for _, p in spec.lora_modules]:
+        if not Path(path).is_dir():
+            raise KvshareError(f"adapter folder {path} does not exist")
