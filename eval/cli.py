@@ -74,8 +74,13 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_workflow(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        return _bench_workflow_on_ray(args)
+    if args.affinity is not None:
+        raise KvshareError("--affinity needs --ray N")
     from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
 
+    args.modes = args.modes or ["icarus", "alora", "lora", "hf"]
     modes = list(args.modes) + [m for m in PEER_MODES if args.peer == "vllm" and m not in args.modes]
     results = run_workflow_bench(
         model=args.model, agents=tuple(args.agents), qps=tuple(args.qps), modes=tuple(modes),
@@ -84,6 +89,27 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
     print(markdown(results))
+    return 0
+
+
+def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
+    """``kvshare bench workflow --ray N``: the same workload over N replicas on Ray Serve."""
+    if args.ray < 1:
+        raise KvshareError("--ray needs at least 1 replica")
+    if args.peer:
+        raise KvshareError("--ray and --peer cannot be combined")
+    try:
+        from .perf.workflow import ray_markdown, run_ray_workflow_bench
+        import ray.serve  # noqa: F401
+    except ImportError as err:
+        raise KvshareError(f"--ray needs Ray Serve: pip install 'kvshare[ray]' ({err})") from None
+    results = run_ray_workflow_bench(
+        args.ray, model=args.model, agents=tuple(args.agents), qps=tuple(args.qps),
+        modes=tuple(args.modes or ["icarus"]), affinity=tuple(args.affinity or ["on", "off"]),
+        workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
+        max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
+        kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
+    print(ray_markdown(results))
     return 0
 
 
@@ -104,6 +130,29 @@ def _cmd_bench_kvflow(args: argparse.Namespace) -> int:
         dynamic_tokens=args.dynamic_tokens, agents=args.agents, rounds=args.rounds, concurrent=args.concurrent,
         links=tuple(args.links), modes=tuple(args.modes), dtype=args.dtype, threads=args.threads, out_dir=args.out)
     print(markdown(results))
+    return 0
+
+
+def _cmd_bench_forkkv(args: argparse.Namespace) -> int:
+    from .perf.forkkv import markdown, run_forkkv_bench
+
+    results = run_forkkv_bench(
+        model=args.model, agent_counts=tuple(args.agents), context_tokens=args.context_tokens, rank=args.rank,
+        concurrent=args.concurrent, budget_contexts=args.budget_contexts, decode_tokens=args.decode_tokens,
+        workflow_agents=args.workflow_agents, workflow_qps=tuple(args.qps), workflows=args.workflows,
+        turns=args.turns, workflow_kv_contexts=args.workflow_kv_contexts, threads=args.threads, out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
+def _cmd_bench_forkkv_quality(args: argparse.Namespace) -> int:
+    from .perf.forkkv_quality import markdown, run_forkkv_quality
+
+    results = run_forkkv_quality(
+        args.adapters, model=args.model, tasks=tuple(args.tasks), agent_counts=tuple(args.agents), limit=args.limit,
+        cosine_examples=args.cosine_examples, max_tokens=args.max_tokens, batch=args.batch, dtype=args.dtype,
+        threads=args.threads, out_dir=args.out)
+    print(markdown(results), end="")
     return 0
 
 
@@ -168,9 +217,13 @@ def register(sub) -> None:
     _bench_common(p, "write workflow_bench.{json,md} and PNG plots here")
     p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
-    p.add_argument("--modes", nargs="+", default=["icarus", "alora", "lora", "hf"],
-                   choices=["icarus", "alora", "lora", "hf", "vllm-lora", "vllm-base"])
+    p.add_argument("--modes", nargs="+", choices=["icarus", "alora", "lora", "forkkv", "hf", "vllm-lora", "vllm-base"],
+                   help="default: icarus alora lora hf (with --ray: icarus)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
+    p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
+                   "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")
+    p.add_argument("--affinity", nargs="+", choices=["on", "off"],
+                   help="with --ray: workflow-affinity routing on, off (Ray's load router), or both (default)")
     p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
     p.add_argument("--turns", type=int, default=4, help="ReAct turns per workflow")
     p.add_argument("--context-tokens", type=int, default=512)
@@ -179,6 +232,45 @@ def register(sub) -> None:
     p.add_argument("--observation-tokens", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: 8 workflow contexts)")
     p.set_defaults(func=_cmd_bench_workflow)
+
+    p = bsub.add_parser("forkkv", help="ForkKV: KV bytes per agent, agents per pool, workflows vs lora/icarus",
+                        description="ForkKV lora agents (shared base part, rank-r residual) vs exact lora "
+                        "agents: KV bytes per agent over one context against 1/N + r/n, agents running at "
+                        "once in one byte budget, and ReAct workflows (icarus, lora, forkkv) in the same bytes. "
+                        "float32, random adapters. JSON, markdown, plot.")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", metavar="DIR", help="write forkkv_bench.{json,md} and forkkv_memory.png here")
+    p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8], help="agents over one context (memory)")
+    p.add_argument("--context-tokens", type=int, default=512)
+    p.add_argument("--rank", type=int, default=8, help="rank of the random lora adapters")
+    p.add_argument("--concurrent", type=int, default=16, help="agents arriving at once (concurrency)")
+    p.add_argument("--budget-contexts", type=int, default=4, help="concurrency: pool bytes, in exact contexts")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--workflow-agents", type=int, default=4)
+    p.add_argument("--qps", type=float, nargs="+", default=[0.5], help="workflow arrivals per second")
+    p.add_argument("--workflows", type=int, default=6)
+    p.add_argument("--turns", type=int, default=8, help="workflow turns (more than agents: each speaks again)")
+    p.add_argument("--workflow-kv-contexts", type=float, default=6.0,
+                   help="workflows: pool bytes, in workflow contexts (one per workflow: lora holds one per agent)")
+    p.set_defaults(func=_cmd_bench_forkkv)
+
+    p = bsub.add_parser("forkkv-quality", help="ForkKV's quality cost: F1 of lora agents taking turns, 3 KV modes",
+                        description="N lora agents take turns answering over one shared QA context "
+                        "(HotpotQA, held-out SQuAD; who goes first rotates) in one engine, with exact "
+                        "per-agent KV, ForkKV, and full reuse of the first agent's K/V: F1 per mode and its "
+                        "drop vs exact, plus the per-layer cosine of the second agent's hidden states vs "
+                        "exact. Greedy. quality.{json,md}, quality_samples.jsonl, cosine.png.")
+    _bench_common(p, "write quality.{json,md}, quality_samples.jsonl and cosine.png here")
+    p.add_argument("--adapters", nargs="+", required=True, metavar="DIR",
+                   help="exported lora adapters (rank <= 16, ForkKV's residual width); N agents = the first N")
+    p.add_argument("--tasks", nargs="+", choices=["hotpotqa", "squad"], default=["hotpotqa", "squad"])
+    p.add_argument("--agents", type=int, nargs="+", default=[2, 4], help="agent counts N")
+    p.add_argument("--limit", type=int, default=40, help="first K examples per task")
+    p.add_argument("--cosine-examples", type=int, default=8, help="examples for the per-layer cosine (0: none)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length")
+    p.add_argument("--batch", type=int, default=4, help="examples advancing together, turn by turn")
+    p.set_defaults(func=_cmd_bench_forkkv_quality)
 
     p = bsub.add_parser("alora", help="aLoRA pipeline vs LoRA by prompt length",
                         description="Base answers, an adapter evaluates (16 tokens), the base "

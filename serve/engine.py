@@ -361,7 +361,8 @@ class LLMEngine:
         residual = self._blocks.residual
         if residual is None:
             return {}
-        return {"forkkv_residual_hit_tokens": residual.stats.hit_tokens,
+        return {"forkkv_base_read_tokens": self._blocks.stats.forkkv_base_read_tokens,
+                "forkkv_residual_hit_tokens": residual.stats.hit_tokens,
                 "forkkv_residual_evictions": residual.stats.evictions}
 
     def host_tier_stats(self) -> dict:

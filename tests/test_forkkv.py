@@ -77,6 +77,7 @@ def test_residuals_are_private_to_their_adapter(base, adapters, tokenizer):
     assert run(llm, prompt, "lora-b")[1] == 0  # base part found, residual not: recomputed
     after = llm.engine.stats()
     assert after["forkkv_residual_hit_tokens"] == before["forkkv_residual_hit_tokens"]
+    assert after["forkkv_base_read_tokens"] - before["forkkv_base_read_tokens"] == full  # but held once
     assert run(llm, prompt, "lora-a")[1] == full  # its own residual and the shared base part
     assert llm.engine.stats()["forkkv_residual_hit_tokens"] - after["forkkv_residual_hit_tokens"] == full
 

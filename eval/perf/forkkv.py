@@ -110,8 +110,8 @@ def concurrent_agents(model_dir: Path, adapters: list[Path], context: list[int],
 def run_forkkv_bench(model: str = "smollm2-135m-instruct", agent_counts: tuple[int, ...] = (2, 4, 8),
                      context_tokens: int = 512, rank: int = 8, block_size: int = 16, concurrent: int = 16,
                      budget_contexts: int = 4, decode_tokens: int = 16, workflow_agents: int = 4,
-                     workflow_qps: tuple[float, ...] = (0.5,), workflows: int = 6, turns: int = 4,
-                     workflow_kv_contexts: float = 3.0, threads: int = 2, out_dir: str | Path | None = None) -> dict:
+                     workflow_qps: tuple[float, ...] = (0.5,), workflows: int = 6, turns: int = 8,
+                     workflow_kv_contexts: float = 6.0, threads: int = 2, out_dir: str | Path | None = None) -> dict:
     from .workflow import run_workflow_bench
 
     model_dir = setup(model, threads)

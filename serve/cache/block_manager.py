@@ -45,6 +45,9 @@ class CacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     evictions: int = 0
     host_hit_tokens: int = 0  # of hit_tokens, those loaded back from the host tier
+    # prompt tokens whose ForkKV base part was read from the cache, resumed from or not (a
+    # ForkKV agent reading another's base part still computes its own residual there)
+    forkkv_base_read_tokens: int = 0
     # of hit_tokens, by the kind of KV reused (KVLayout.reuse_kind): what sharing saved
     hit_tokens_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KVLayout.reuse_kinds, 0))
 
@@ -224,6 +227,7 @@ class BlockManager:
             self.residual.allocate(seq, res_hits)
             seq.base_cached = seq.num_computed
             seq.num_computed = min(seq.base_cached, seq.res_cached)
+            self.stats.forkkv_base_read_tokens += min(seq.base_cached, len(seq.prompt))
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
         if seq.waiting_on_loads_since is not None:
