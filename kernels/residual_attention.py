@@ -42,6 +42,8 @@ class ResidualMetadata:
     seq_adapter: torch.Tensor  # (S,) int32: index into the stacked B_k / B_v / scales
     block_size: int  # the residual pool's (may differ from the base pool's)
     host_adapter: list[int]  # seq_adapter on the host (no device reads in the reference)
+    key_positions: torch.Tensor | None = None  # (keys,) position of each key of key_slots in its sequence
+    key_groups: list[tuple[int, torch.Tensor | None]] | None = None  # (adapter, its keys; None = all keys)
 
 
 def build_residual_metadata(meta: AttentionMetadata, block_tables: list[list[int]], block_size: int,
@@ -60,7 +62,17 @@ def build_residual_metadata(meta: AttentionMetadata, block_tables: list[list[int
     host = [torch.tensor(tables, dtype=torch.int32).reshape(len(tables), width),
             torch.tensor(key_slots, dtype=torch.long), torch.tensor(seq_adapter, dtype=torch.int32)]
     dev = [t.to(device, non_blocking=True) for t in host]
-    return ResidualMetadata(*dev, block_size=block_size, host_adapter=list(seq_adapter))
+    positions = torch.cat([torch.arange(length) for length in meta.seq_context]) if meta.seq_context \
+        else torch.zeros(0, dtype=torch.long)
+    keys_of: dict[int, list[int]] = {}
+    offset = 0
+    for adapter, length in zip(seq_adapter, meta.seq_context):
+        keys_of.setdefault(adapter, []).extend(range(offset, offset + length))
+        offset += length
+    groups = [(adapter, None if len(keys_of) == 1 else torch.tensor(keys, dtype=torch.long).to(device, non_blocking=True))
+              for adapter, keys in sorted(keys_of.items())]
+    return ResidualMetadata(*dev, block_size=block_size, host_adapter=list(seq_adapter),
+                            key_positions=positions.to(device, non_blocking=True), key_groups=groups)
 
 
 def write_residual_ref(k_res_cache: torch.Tensor, v_res_cache: torch.Tensor, r_k: torch.Tensor,
@@ -196,8 +208,8 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     """:func:`residual_attention_ref`'s result through SDPA, one call per sequence (the
     engine's torch path; the block loop is the oracle and the Triton kernel's shape).
 
-    K and V are rebuilt for the sequence's context, ``K_base + RoPE(scale R_k B_k)`` and
-    ``V_base + scale R_v B_v``: two (keys, r) x (r, kv_heads * d) matmuls, cheaper than the
+    K and V are rebuilt for every key of the step at once, ``K_base + RoPE(scale R_k B_k)`` and
+    ``V_base + scale R_v B_v``: two (keys, r) x (r, kv_heads * d) matmuls per adapter, cheaper than the
     attention itself, after which SDPA runs on plain shapes (its fused causal path). The
     kernel's ``(P R_v) B_v`` order saves memory traffic on a GPU; on CPU rebuilding V is
     the faster of the two (``P (R_v B_v)`` is the same sum). Computes in q's dtype, as
@@ -207,29 +219,39 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     n_kv, rank = k_base_cache.shape[2], k_res_cache.shape[-1]
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
+    # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
     keys_all = k_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
     values_all = v_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
     r_k_all = k_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
     r_v_all = v_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
-    cos, sin = rope_cos.to(q.dtype), rope_sin.to(q.dtype)
+    k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=q.dtype, device=q.device)
+    v_delta = torch.empty_like(k_delta)
+    scales = lora_scales.tolist()
+    for adapter, keys in residual.key_groups:
+        b_k_a, b_v_a = b_k[adapter].to(q.dtype).T * scales[adapter], b_v[adapter].to(q.dtype).T * scales[adapter]
+        if keys is None:
+            torch.matmul(r_k_all, b_k_a, out=k_delta)
+            torch.matmul(r_v_all, b_v_a, out=v_delta)
+        else:
+            k_delta.index_copy_(0, keys, r_k_all.index_select(0, keys) @ b_k_a)
+            v_delta.index_copy_(0, keys, r_v_all.index_select(0, keys) @ b_v_a)
+    positions = residual.key_positions
+    keys_all = keys_all + apply_rope(k_delta.view(-1, n_kv, d), rope_cos.to(q.dtype).index_select(0, positions),
+                                     rope_sin.to(q.dtype).index_select(0, positions))
+    values_all = values_all + v_delta.view(-1, n_kv, d)
     out = torch.empty_like(q)
     offset = 0
-    for s, ((start, end), length, causal, all_last) in enumerate(zip(meta.seq_bounds, meta.seq_context,
-                                                                      meta.seq_causal, meta.seq_all_last)):
-        adapter = residual.host_adapter[s]
-        lora_scale = float(lora_scales[adapter])
+    for (start, end), length, causal, all_last in zip(meta.seq_bounds, meta.seq_context, meta.seq_causal,
+                                                      meta.seq_all_last):
         window = slice(offset, offset + length)
         offset += length
-        k_delta = (r_k_all[window] @ b_k[adapter].to(q.dtype).T * lora_scale).reshape(length, n_kv, d)
-        keys = keys_all[window] + apply_rope(k_delta, cos[:length], sin[:length])
-        values = values_all[window] + (r_v_all[window] @ b_v[adapter].to(q.dtype).T * lora_scale).reshape(
-            length, n_kv, d)
         mask = None
         if not causal and not all_last:
             positions = meta.positions[start:end]
             mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
-        attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                              values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
-                                              is_causal=causal, enable_gqa=n_q != n_kv)
+        attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None],
+                                              keys_all[window].transpose(0, 1)[None],
+                                              values_all[window].transpose(0, 1)[None], attn_mask=mask,
+                                              scale=scale, is_causal=causal, enable_gqa=n_q != n_kv)
         out[start:end] = attn[0].transpose(0, 1)
     return out
