@@ -41,6 +41,7 @@ GATEWAY_DEPLOYMENT = "KvshareGateway"
 REPLICA_HEADER = "x-kvshare-replica"
 NODE_HEADER = "x-kvshare-node"
 SESSION_HEADER = "x-session-id"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has it (Ray Train pins its state actor so)
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,12 @@ def build_app(spec: EngineSpec, options: RayServeOptions) -> serve.Application:
                               max_ongoing_requests=options.max_ongoing_requests or spec.limits.max_waiting,
                               health_check_period_s=2, health_check_timeout_s=30,
                               graceful_shutdown_timeout_s=5)
+    # The gateway holds the router, and the router holds the workflow -> replica table: it runs
+    # on the head node, beside the (head-only) HTTP proxy, so losing a worker node never loses
+    # the table and with it the placement of workflows whose replica is still alive.
     gateway = serve.deployment(KvshareGateway, name=GATEWAY_DEPLOYMENT, num_replicas=1,
-                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+                               ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+                               max_ongoing_requests=100_000)
     return gateway.bind(engine.bind(spec, options.threads), options.affinity, spec.limits.max_request_bytes)
 
 

@@ -111,6 +111,9 @@ def test_workflow_affinity_failover_and_control(spec, cluster):
     port = free_port()
     url = start(spec, RayServeOptions(replicas=2, threads_per_replica=1, affinity=True), port=port, timeout_s=180)
     deployed = time.monotonic()
+    gateways = [actor["Address"]["NodeID"] for actor in ray._private.state.actors(actor_state_name="ALIVE").values()
+                if "KvshareGateway" in actor["Name"]]
+    assert gateways == [head_and_worker.head_node.node_id]  # the router's table survives a worker's loss
 
     # 1. affinity: every workflow on one replica, both replicas used, turns 2+ hit the cache
     backend = ServerBackend(url + "/v1", "EMPTY", spec.model, tokenizer, retries=3)
