@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import write_kv_ref
+from .attention import gather_slots, write_kv_ref
 from .metadata import AttentionMetadata
 
 
@@ -122,10 +122,10 @@ def reconstruct_kv_ref(k_base_cache: torch.Tensor, v_base_cache: torch.Tensor, k
     """
     n_kv, d = k_base_cache.shape[2:]
     length = len(base_slots)
-    k_base = k_base_cache.reshape(-1, n_kv, d)[base_slots].float()
-    v_base = v_base_cache.reshape(-1, n_kv, d)[base_slots].float()
-    r_k = k_res_cache.reshape(-1, k_res_cache.shape[-1])[res_slots].float()
-    r_v = v_res_cache.reshape(-1, v_res_cache.shape[-1])[res_slots].float()
+    k_base = gather_slots(k_base_cache, base_slots).float()
+    v_base = gather_slots(v_base_cache, base_slots).float()
+    r_k = gather_slots(k_res_cache, res_slots).float()
+    r_v = gather_slots(v_res_cache, res_slots).float()
     k_delta = (lora_scale * r_k @ b_k.float().T).reshape(length, n_kv, d)
     v_delta = (lora_scale * r_v @ b_v.float().T).reshape(length, n_kv, d)
     cos, sin = rope_cos[:length].float(), rope_sin[:length].float()
@@ -153,10 +153,6 @@ def residual_attention_ref(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_c
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
     group, rank = n_q // n_kv, k_res_cache.shape[-1]
-    flat_k = k_base_cache.reshape(-1, n_kv, d)
-    flat_v = v_base_cache.reshape(-1, n_kv, d)
-    flat_rk = k_res_cache.reshape(-1, rank)
-    flat_rv = v_res_cache.reshape(-1, rank)
     out = torch.empty_like(q)
     offset, step = 0, meta.block_size
     for s, ((start, end), length) in enumerate(zip(meta.seq_bounds, meta.seq_context)):
@@ -176,9 +172,9 @@ def residual_attention_ref(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_c
             keys = torch.arange(first, min(first + step, length), device=q.device)
             base_slots = meta.key_slots[offset + first:offset + first + len(keys)]
             res_slots = residual.key_slots[offset + first:offset + first + len(keys)]
-            r_k = flat_rk.index_select(0, res_slots).float()
+            r_k = gather_slots(k_res_cache, res_slots).float()
             k_delta = torch.einsum("kr,hdr->khd", r_k, bk) * lora_scale
-            k = flat_k.index_select(0, base_slots).float() + apply_rope(
+            k = gather_slots(k_base_cache, base_slots).float() + apply_rope(
                 k_delta, rope_cos[first:first + len(keys)].float(), rope_sin[first:first + len(keys)].float())
             scores = torch.einsum("hld,khd->hlk", query, k) * scale
             scores = scores.masked_fill(keys[None, None, :] > limit[None, :, None], float("-inf"))
@@ -186,8 +182,8 @@ def residual_attention_ref(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_c
             safe = torch.where(torch.isinf(new_best), 0.0, new_best)  # a line that sees no key yet
             probs = torch.exp(scores - safe[..., None])
             keep = torch.exp(best - safe)
-            v_base = flat_v.index_select(0, base_slots).float()
-            r_v = flat_rv.index_select(0, res_slots).float()
+            v_base = gather_slots(v_base_cache, base_slots).float()
+            r_v = gather_slots(v_res_cache, res_slots).float()
             acc_base = acc_base * keep[..., None] + torch.einsum("hlk,khd->hld", probs, v_base)
             acc_res = acc_res * keep[..., None] + probs @ r_v  # one rescaling for both sums
             total = total * keep + probs.sum(-1)
@@ -216,14 +212,14 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     :func:`~kvshare.kernels.attention.paged_attention_ref` does.
     """
     n_q, d = q.shape[1], q.shape[2]
-    n_kv, rank = k_base_cache.shape[2], k_res_cache.shape[-1]
+    n_kv = k_base_cache.shape[2]
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
     # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
-    keys_all = k_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
-    values_all = v_base_cache.reshape(-1, n_kv, d).index_select(0, meta.key_slots).to(q.dtype)
-    r_k_all = k_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
-    r_v_all = v_res_cache.reshape(-1, rank).index_select(0, residual.key_slots).to(q.dtype)
+    keys_all = gather_slots(k_base_cache, meta.key_slots).to(q.dtype)
+    values_all = gather_slots(v_base_cache, meta.key_slots).to(q.dtype)
+    r_k_all = gather_slots(k_res_cache, residual.key_slots).to(q.dtype)
+    r_v_all = gather_slots(v_res_cache, residual.key_slots).to(q.dtype)
     k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=q.dtype, device=q.device)
     v_delta = torch.empty_like(k_delta)
     scales = lora_scales.tolist()

@@ -97,7 +97,7 @@ class Model:
         """Run the batch's rows through the model, writing KV where asked; return float32
         logits of its logit rows.
 
-        ``kv_cache`` is (2, layers, blocks, block_size, kv_heads, head_dim); ``lora(layer,
+        ``kv_cache`` is block-major, (blocks, layers, 2, block_size, kv_heads, head_dim); ``lora(layer,
         parts)`` gives each adapter slot's (A, B, scale) for a fused projection, or None.
         ForkKV rows (``batch.forkkv``) keep their k/v LoRA apart: ``residual_stack(layer,
         kv_size)`` gives the ForkKV adapters' stacked weights and ``residual_cache`` (2,
@@ -131,11 +131,12 @@ class Model:
                 k = _rms_norm(k, L["k_norm"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kernels.write_kv(kv_cache[0, i], kv_cache[1, i], k, v, meta.slot_mapping, meta.write_rows)
+            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # this layer's K and V of every block
+            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.write_rows)
             if fork is None:
-                a = kernels.paged_attention(q, kv_cache[0, i], kv_cache[1, i], meta, self.scale)
+                a = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
             else:
-                a = self._forkkv_attention(i, q, x, kv_cache, residual_cache, residual_stack(i, self.config.hidden_size, self.kv_size),
+                a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache, residual_stack(i, self.config.hidden_size, self.kv_size),
                                            fork, rope_cos, rope_sin)
             a = a.reshape(n, self.q_size)
             h = h + adapt(i, "o", a, linear(a, L["o"]))[0]
@@ -148,8 +149,8 @@ class Model:
         h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
         return linear(h, self.lm_head).float()
 
-    def _forkkv_attention(self, i: int, q: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                          residual_cache: torch.Tensor, stack, fork, rope_cos: torch.Tensor,
+    def _forkkv_attention(self, i: int, q: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, residual_cache: torch.Tensor, stack, fork, rope_cos: torch.Tensor,
                           rope_sin: torch.Tensor) -> torch.Tensor:
         """Attention of one layer when ForkKV rows share the step: exact rows over the pool as
         usual; ForkKV rows first store their x A_k, x A_v (only where the residual is not
@@ -167,8 +168,8 @@ class Model:
                          r_v[:, None], fork.res_slots, fork.res_write_rows)
         out = []
         if fork.exact is not None:
-            out.append(kernels.paged_attention(q[:start], kv_cache[0, i], kv_cache[1, i], fork.exact, self.scale))
-        out.append(kernels.residual_attention(q[start:], kv_cache[0, i], kv_cache[1, i], residual_cache[0, i],
+            out.append(kernels.paged_attention(q[:start], k_cache, v_cache, fork.exact, self.scale))
+        out.append(kernels.residual_attention(q[start:], k_cache, v_cache, residual_cache[0, i],
                                               residual_cache[1, i], stack.b_k, stack.b_v, stack.scales,
                                               rope_cos, rope_sin, fork.meta, fork.residual, self.scale))
         return torch.cat(out) if len(out) > 1 else out[0]

@@ -15,6 +15,7 @@ from ..errors import KvshareError
 from ..kernels import Kernels
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
+from .cache.arena import BlockShape
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
 
@@ -40,13 +41,33 @@ class ModelRunner:
         self.block_size = block_size
         m = self.model
         self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv * m.head_dim * torch.finfo(dtype).bits // 8
+        self.num_blocks = self.pool_blocks(kv_cache_tokens, kv_cache_bytes)
+        # block-major, as SwiftCache's arena: a block (every layer's K and V) is one span of bytes
+        self.kv_cache = torch.zeros(self.num_blocks, *self.block_dims(), dtype=dtype, device=device)
+        self.residual_cache: torch.Tensor | None = None  # ForkKV's (2, layers, blocks, block_size, r)
+
+    def pool_blocks(self, kv_cache_tokens: int | None, kv_cache_bytes: int | None) -> int:
+        """Blocks of a KV pool of ``kv_cache_bytes`` (else ``kv_cache_tokens``, else 16384 tokens)."""
         if kv_cache_bytes is not None:
             kv_cache_tokens = kv_cache_bytes // self.kv_bytes_per_token
-        kv_cache_tokens = kv_cache_tokens or 16384
-        self.num_blocks = max(1, kv_cache_tokens // block_size)
-        self.kv_cache = torch.zeros(2, m.n_layers, self.num_blocks, block_size, m.n_kv, m.head_dim,
-                                    dtype=dtype, device=device)
-        self.residual_cache: torch.Tensor | None = None  # ForkKV's (2, layers, blocks, block_size, r)
+        return max(1, (kv_cache_tokens or 16384) // self.block_size)
+
+    def block_shape(self) -> BlockShape:
+        m = self.model
+        return BlockShape(m.n_layers, m.n_kv, m.head_dim, self.block_size, m.dtype)
+
+    def block_dims(self) -> tuple[int, ...]:
+        """One block of the KV memory: (layers, 2, block_size, kv_heads, head_dim)."""
+        return self.block_shape().dims()
+
+    def use_kv_memory(self, kv: torch.Tensor) -> None:
+        """Run over ``kv`` (a co-location arena's view, (blocks, *block_dims)) instead of a
+        private pool; the private one is dropped."""
+        if tuple(kv.shape[1:]) != self.block_dims() or kv.dtype != self.model.dtype or kv.device != self.device:
+            raise ValueError(f"KV memory of shape {tuple(kv.shape)} {kv.dtype} on {kv.device} does not fit "
+                             f"blocks of {self.block_dims()} {self.model.dtype} on {self.device}")
+        self.kv_cache = kv
+        self.num_blocks = kv.shape[0]
 
     def add_residual_pool(self, tokens: int, rank: int) -> int:
         """Allocate ForkKV's residual pool (once): ``tokens`` slots of rank ``rank`` per layer

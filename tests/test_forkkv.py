@@ -87,10 +87,10 @@ def test_forkkv_reads_exact_base_blocks_but_never_writes_them(base, adapters, to
     prompt = prompts_for(tokenizer, 1)[0] * 2
     base_out, _ = run(llm, prompt)
     blocks = sorted({b for b, key in enumerate(llm.engine._blocks.blocks) if key.key is not None})
-    snapshot = llm.engine.runner.kv_cache[:, :, blocks].clone()
+    snapshot = llm.engine.runner.kv_cache[blocks].clone()
     run(llm, prompt, "lora-a")
     assert llm.engine.stats()["prefix_hit_tokens_forkkv_base"] == 0  # residual missing: nothing resumed
-    assert torch.equal(llm.engine.runner.kv_cache[:, :, blocks], snapshot)  # base blocks untouched
+    assert torch.equal(llm.engine.runner.kv_cache[blocks], snapshot)  # base blocks untouched
     assert llm.engine.kv_usage()["kv"]["blocks_in_use"] == 0
     tokens, cached = run(llm, prompt, "lora-a")  # now its residual is cached: base part + residual reused
     assert cached == len(prompt) // BS * BS
@@ -106,7 +106,7 @@ def test_layer_zero_base_part_is_the_base_models_kv(base, adapters, tokenizer):
         llm = forkkv_llm(base, adapters)
         run(llm, prompt, adapter, SamplingParams(max_tokens=1))  # only the prompt's full blocks stay
         blocks = [b for b, info in enumerate(llm.engine._blocks.blocks) if info.key is not None]
-        pools.append(llm.engine.runner.kv_cache[:, :, sorted(blocks)])
+        pools.append(llm.engine.runner.kv_cache[sorted(blocks)])
     torch.testing.assert_close(pools[1][:, 0], pools[0][:, 0], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(pools[1][:, 1], pools[0][:, 1], atol=1e-4)
 

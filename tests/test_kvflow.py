@@ -166,11 +166,11 @@ def test_step_policy_heap_picks_what_a_full_scan_picks():
 
 # host tier ------------------------------------------------------------------------------------
 def test_host_tier_round_trip_is_bit_identical_and_demand_outranks_prefetch():
-    kv = torch.randn(2, 3, 8, 4, 2, 5)
-    tier = HostTier(kv, num_blocks=4, bandwidth_gbps=kv[:, :, 0].numel() * 4 / 0.05 / 1e9)  # 50 ms a block
-    original = kv[:, :, 1].clone()
+    kv = torch.randn(8, 3, 2, 4, 2, 5)  # block-major: (blocks, layers, 2, block_size, heads, dim)
+    tier = HostTier(kv, num_blocks=4, bandwidth_gbps=kv[0].numel() * 4 / 0.05 / 1e9)  # 50 ms a block
+    original = kv[1].clone()
     assert tier.offload(b"k1", 1, "meta") and tier.state(b"k1") == "host"
-    kv[:, :, 1] = 0
+    kv[1] = 0
     for i, key in enumerate([b"p1", b"p2", b"d"]):
         tier.offload(key, 2 + i, None)
     tier.load(b"k1", 6, demand=False)  # starts at once
@@ -185,14 +185,14 @@ def test_host_tier_round_trip_is_bit_identical_and_demand_outranks_prefetch():
         tier.wait(1.0)
         landed += [t.key for t in tier.landed()]
     assert landed == [b"k1", b"d", b"p2", b"p1"]
-    assert torch.equal(kv[:, :, 6], original)  # bit-identical after the round trip
+    assert torch.equal(kv[6], original)  # bit-identical after the round trip
     assert tier.stats.loaded_blocks == 4 and tier.stats.prefetched_blocks == 2
     assert tier.stats.transfer_seconds >= 4 * 0.05 * 0.9  # the simulated link held each copy
     tier.offload(b"new", 0, None)  # the tier is full: its least recent block goes
     assert len(tier.index) == 4 and tier.stats.dropped_blocks == 1 and b"k1" not in tier
     tier.load(b"new", 3, demand=True)
     tier.clear()  # waits for the load in flight, then forgets everything
-    assert not tier.loading and not tier.index and len(tier.free) == 4 and torch.equal(kv[:, :, 3], kv[:, :, 0])
+    assert not tier.loading and not tier.index and len(tier.free) == 4 and torch.equal(kv[3], kv[0])
 
 
 # through the engine ---------------------------------------------------------------------------

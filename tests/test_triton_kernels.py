@@ -86,16 +86,19 @@ def test_write_and_attention_equal_the_reference(scenario, n_q, n_kv):
 
 
 def test_attention_reads_a_strided_layer_of_the_engine_cache():
-    """The engine passes kv_cache[0, layer] views; a row's rows past the tile size split
-    into several programs (a prefill longer than one tile)."""
+    """The engine passes block-major kv_cache[:, layer, 0] views (blocks a whole block of
+    every layer apart); a row's rows past the tile size split into several programs (a
+    prefill longer than one tile)."""
     gen = torch.Generator().manual_seed(7)
     block_size, n_blocks, n_kv, n_q, d = 3, 24, 1, 4, 16
     tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, [(0, list(range(21))), (4, [4])])
     meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
-    cache = torch.randn(2, 2, n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    cache = torch.randn(n_blocks, 2, 2, block_size, n_kv, d, generator=gen).to(DEVICE)
     q = torch.randn(len(row_seq), n_q, d, generator=gen).to(DEVICE)
-    want = REF.paged_attention(q, cache[0, 1], cache[1, 1], meta, 0.3)
-    got = FAST.paged_attention(q, cache[0, 1], cache[1, 1], meta, 0.3)
+    want = REF.paged_attention(q, cache[:, 1, 0], cache[:, 1, 1], meta, 0.3)
+    got = FAST.paged_attention(q, cache[:, 1, 0], cache[:, 1, 1], meta, 0.3)
+    dense = cache[:, 1].contiguous()  # the same numbers, blocks back to back
+    torch.testing.assert_close(want, REF.paged_attention(q, dense[:, 0], dense[:, 1], meta, 0.3), atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

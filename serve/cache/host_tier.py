@@ -51,13 +51,14 @@ class Transfer:
 
 class HostTier:
     def __init__(self, device_kv: torch.Tensor, num_blocks: int, bandwidth_gbps: float = PCIE_GBPS):
-        """``device_kv``: the runner's pool (2, layers, blocks, block_size, kv heads, head dim)."""
+        """``device_kv``: the runner's block-major pool (blocks, layers, 2, block_size, kv heads,
+        head dim): a block is one contiguous span, copied in one go."""
         self.device_kv = device_kv
         self.cuda = device_kv.device.type == "cuda"
         shape = list(device_kv.shape)
-        shape[2] = num_blocks
+        shape[0] = num_blocks
         self.host_kv = torch.empty(shape, dtype=device_kv.dtype, pin_memory=self.cuda)
-        self.block_bytes = device_kv[:, :, 0].numel() * device_kv.element_size()
+        self.block_bytes = device_kv[0].numel() * device_kv.element_size()
         # on CUDA the link is real; on CPU it is simulated at this rate
         self.bandwidth = None if self.cuda else bandwidth_gbps * 1e9
         self.stream = torch.cuda.Stream(device_kv.device) if self.cuda else None
@@ -74,7 +75,7 @@ class HostTier:
 
     @property
     def num_blocks(self) -> int:
-        return self.host_kv.shape[2]
+        return self.host_kv.shape[0]
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
@@ -112,10 +113,10 @@ class HostTier:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device_kv.device))  # the KV is written
             with torch.cuda.stream(self.stream):
-                self.host_kv[:, :, host_block].copy_(self.device_kv[:, :, device_block], non_blocking=True)
+                self.host_kv[host_block].copy_(self.device_kv[device_block], non_blocking=True)
             self.stream.synchronize()
         else:
-            self.host_kv[:, :, host_block].copy_(self.device_kv[:, :, device_block])
+            self.host_kv[host_block].copy_(self.device_kv[device_block])
         self._hold_for_link(start)
         self.index[key], self.meta[key] = host_block, meta
         self.stats.offloaded_blocks += 1
@@ -182,11 +183,11 @@ class HostTier:
             start = time.perf_counter()
             if self.cuda:
                 with torch.cuda.stream(self.stream):
-                    self.device_kv[:, :, current.device_block].copy_(self.host_kv[:, :, current.host_block],
+                    self.device_kv[current.device_block].copy_(self.host_kv[current.host_block],
                                                                      non_blocking=True)
                 self.stream.synchronize()
             else:
-                self.device_kv[:, :, current.device_block].copy_(self.host_kv[:, :, current.host_block])
+                self.device_kv[current.device_block].copy_(self.host_kv[current.host_block])
             self._hold_for_link(start)
             with self._cond:
                 self.stats.loaded_blocks += 1
