@@ -28,6 +28,8 @@ from ..models import load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
+from .cache.arena import KVArena
+from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .hints import AgentHints
@@ -85,6 +87,7 @@ class LLMEngine:
         self.counters = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0,
                          "prompt_tokens": 0, "steps": 0}
         self.finish_reasons: Counter[str] = Counter()  # ended requests by finish reason (abort, error too)
+        self.max_kv_blocks: int | None = None  # set when co-located engines may lend this one blocks
 
     # adapters ----------------------------------------------------------------------------
     def load_adapter(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
@@ -118,7 +121,7 @@ class LLMEngine:
         if self._blocks.residual is not None:
             return
         config = self.config
-        tokens = config.forkkv_residual_tokens or 4 * self.runner.num_blocks * config.block_size
+        tokens = config.forkkv_residual_tokens or 4 * self._blocks.num_blocks * config.block_size
         blocks = self.runner.add_residual_pool(tokens, config.forkkv_max_rank)
         self._blocks.residual = ResidualCache(blocks, config.block_size, self.fingerprint)
         self._adapters.residual_rank = config.forkkv_max_rank
@@ -168,8 +171,10 @@ class LLMEngine:
             raise KvshareError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
         needed = self._blocks.blocks_needed(len(tokens) + params.max_tokens)
-        if needed > self._blocks.num_blocks:
-            raise KvshareError(f"request needs {needed} KV blocks; the pool has {self._blocks.num_blocks}")
+        limit = self.max_kv_blocks or self._blocks.num_blocks
+        if needed > limit:
+            raise KvshareError(f"request needs {needed} KV blocks; the pool has {limit}"
+                               + (" with every block the co-located engines may lend" if self.max_kv_blocks else ""))
         if adapter is not None and self.adapter(adapter).kv_layout == "forkkv" and \
                 needed > self._blocks.residual.num_blocks:
             raise KvshareError(f"request needs {needed} ForkKV residual blocks; the residual pool has "
@@ -323,6 +328,55 @@ class LLMEngine:
     def num_prefilling(self) -> int:
         """Requests whose prompt is not fully computed yet (waiting ones included)."""
         return self.num_waiting() + sum(1 for s in self._scheduler.running if s.num_computed < len(s.prompt))
+
+    # co-location (SwiftCache: :mod:`.cache.lending`) -----------------------------------------
+    def join_arena(self, arena: KVArena, name: str) -> None:
+        """Move this engine's KV into ``arena`` (which it shares with co-located engines) and
+        start with the blocks of the units ``name`` holds there. Needs an idle engine."""
+        if self.sequences:
+            raise KvshareError("join_arena needs an idle engine")
+        view = arena.view(name)
+        self.runner.use_kv_memory(view)
+        if self._blocks.tier is not None:
+            self._blocks.tier.device_kv = view
+        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
+
+    def kv_demand(self) -> KVDemand:
+        """Blocks the requests here need to take their next step: the running ones (each with
+        room for one more token) and the oldest waiting one (its whole prompt, cached
+        prefixes counted as if absent)."""
+        need = self._blocks.blocks_needed
+        running = sum(need(len(s) + 1) for s in self._scheduler.running)
+        if not self._scheduler.waiting:
+            return KVDemand(running)
+        head = self._scheduler.waiting[0]
+        return KVDemand(running, need(len(head) + 1), min(s.arrival for s in self._scheduler.waiting))
+
+    def kv_blocks_owned(self) -> int:
+        return self._blocks.num_blocks
+
+    def grant_kv_blocks(self, block_ids: list[int]) -> None:
+        """Blocks of the arena this engine may use from now on (lent, or given back)."""
+        self._blocks.grant(block_ids)
+
+    def kv_blocks_busy(self, block_ids: list[int]) -> list[int]:
+        """Those of ``block_ids`` a request holds now."""
+        return self._blocks.busy(block_ids)
+
+    def release_kv_blocks(self, block_ids: list[int], preempt: bool) -> int | None:
+        """Give blocks back to the arena; returns how many requests were preempted for it, or
+        None when nothing was released. Idle cached blocks are evicted; requests holding one
+        are preempted (recomputed later) if ``preempt``, else nothing is released. None also
+        when some stay held (e.g. by a host-tier load in flight): try again later."""
+        preempted = 0
+        if self._blocks.busy(block_ids):
+            if not preempt:
+                return None
+            preempted = self._scheduler.evacuate(block_ids)
+            if self._blocks.busy(block_ids):
+                return None
+        self._blocks.withdraw(block_ids)
+        return preempted
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""

@@ -75,14 +75,31 @@ class Scheduler:
         candidates = [s for s in self.running if s is not keep]
         if not candidates:
             return False
-        victim = max(candidates, key=lambda s: s.arrival)
+        self._preempt(max(candidates, key=lambda s: s.arrival))
+        return True
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Release a running sequence's blocks; it waits at the front to be recomputed."""
         self.running.remove(victim)
         self.blocks.free(victim)
         victim.status = Status.WAITING
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
-        return True
+
+    def evacuate(self, block_ids: list[int]) -> int:
+        """Free ``block_ids`` of requests (a lender takes them back): running sequences that
+        hold one are preempted (recomputed later; newest first, so the oldest keep their
+        place at the front of the queue) and waiting ones drop their pins. Returns how many
+        were preempted."""
+        wanted = set(block_ids)
+        holders = [s for s in self.running if wanted.intersection(s.block_table)]
+        for victim in sorted(holders, key=lambda s: s.arrival, reverse=True):
+            self._preempt(victim)
+        for seq in self.waiting:
+            if wanted.intersection(seq.pinned):
+                self.blocks.unpin(seq)
+        return len(holders)
 
     def schedule(self) -> list[StepPlan]:
         budget = self.max_batched_tokens
@@ -103,8 +120,13 @@ class Scheduler:
                     if self.blocks.release_pins():  # blocks held for requests waiting on loads
                         continue
                     if not self._preempt_newest(keep=seq):
-                        raise
+                        # alone and still short (its pool shrank: a lender took blocks back, or
+                        # loads hold them): it waits for blocks like a new request
+                        self._preempt(seq)
+                        break
                     plan = [p for p in plan if p.seq in self.running]
+            if seq not in self.running:
+                return plan  # the pool is short even for the oldest: admit nobody now
             plan.append(step)
             budget -= step.num_rows
         for seq in list(self.waiting):

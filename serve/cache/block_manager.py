@@ -75,15 +75,19 @@ class BlockManager:
         self.tier = host_tier
         self.reset(num_blocks)
 
-    def reset(self, num_blocks: int | None = None) -> None:
-        """Forget every cached block and zero the statistics (no sequence may hold blocks)."""
+    def reset(self, num_blocks: int | None = None, owned: list[int] | None = None) -> None:
+        """Forget every cached block and zero the statistics (no sequence may hold blocks).
+        ``num_blocks``: the ids the KV view addresses (default: as before); ``owned``: those
+        this engine may use (default: the same as before, or all of a new view)."""
         if hasattr(self, "pool") and self.pool.num_referenced():
             raise RuntimeError("cannot reset the KV pool while requests hold blocks")
-        num_blocks = num_blocks or self.pool.num_blocks
+        if owned is None and num_blocks is None:
+            owned = [b for b, mine in enumerate(self.pool.owned) if mine]
+        capacity = num_blocks or self.pool.capacity
         if self.tier is not None:
             self.tier.clear()
-        self.pool = BlockPool(num_blocks)
-        self.blocks = [BlockInfo() for _ in range(num_blocks)]
+        self.pool = BlockPool(capacity, owned=owned)
+        self.blocks = [BlockInfo() for _ in range(capacity)]
         self.children: dict[bytes, int] = {}  # key -> cached blocks whose parent it is
         self.loading: dict[bytes, int] = {}  # key -> device block a load is filling
         self.pinned_by: dict[int, int] = {}  # block -> how many waiting requests hold it
@@ -411,6 +415,27 @@ class BlockManager:
         seq.num_computed = 0
         seq.hashed_blocks = 0
         seq.chain_key = None
+
+    # lending (SwiftCache) ------------------------------------------------------------------
+    def grant(self, block_ids: list[int]) -> None:
+        """Blocks of the shared arena this engine may use from now on."""
+        self.pool.grant(block_ids)
+
+    def busy(self, block_ids: list[int]) -> list[int]:
+        """Those of ``block_ids`` that a request holds (running, pinned or loading into)."""
+        return [b for b in block_ids if self.pool.ref_count[b]]
+
+    def withdraw(self, block_ids: list[int]) -> None:
+        """Give blocks back to the arena; none may be held. Cached idle ones leave the prefix
+        index first (to the host tier, if any), so no later lookup finds KV that is gone."""
+        if self.busy(block_ids):
+            raise ValueError(f"blocks {self.busy(block_ids)} are in use")
+        for block_id in block_ids:
+            if block_id in self.policy:
+                self.policy.remove(block_id)
+                self._evict(block_id)
+                self.pool.release(block_id)
+        self.pool.withdraw(block_ids)
 
     # statistics -------------------------------------------------------------------------
     @property

@@ -1,0 +1,203 @@
+"""SwiftCache's elastic cache: co-located engines in one block-major arena lend each other
+idle blocks. Lending moves ownership, never bytes; a block is never used by two engines;
+outputs from borrowed memory equal those from a private pool, for every adapter kind, also
+when the lender takes its blocks back mid-generation (the borrower recomputes)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kvshare.errors import KvshareError
+from kvshare.serve import LLMEngine, SamplingParams
+from kvshare.serve.cache.arena import BlockShape, KVArena
+from kvshare.serve.cache.lending import Lending, build_arena
+
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def engines_in_arena(base, adapters, homes: dict[str, int], block_sizes: dict[str, int] | None = None,
+                     lending: bool = True, **lend_args) -> tuple[dict[str, LLMEngine], KVArena, Lending | None]:
+    """Engines of the tiny model (each with every adapter) sharing one arena; ``homes``: each
+    one's static share in its own blocks."""
+    block_sizes = block_sizes or {}
+    engines = {name: LLMEngine(base, list(adapters.values()), kv_cache_tokens=16,
+                               block_size=block_sizes.get(name, 4)) for name in homes}
+    arena = build_arena(engines, homes)
+    return engines, arena, (Lending(arena, engines, **lend_args) if lending else None)
+
+
+def drive(engines: dict[str, LLMEngine], lending: Lending | None, check=None) -> dict[tuple[str, str], list[int]]:
+    """Step every engine (one at a time, rebalancing first) until all are done; token ids of
+    every finished request by (engine, request id)."""
+    done = {}
+    while any(e.has_unfinished() for e in engines.values()):
+        if lending is not None:
+            lending.rebalance()
+        for name, engine in engines.items():
+            if engine.has_unfinished():
+                done.update({(name, o.request_id): o.token_ids for o in engine.step() if o.finished})
+            if check is not None:
+                check()
+    return done
+
+
+def private_outputs(base, adapters, requests) -> list[list[int]]:
+    engine = LLMEngine(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4)
+    ids = [engine.add_request(p, params, adapter=a) for p, a, params in requests]
+    done = drive({"solo": engine}, None)
+    return [done["solo", i] for i in ids]
+
+
+def assert_no_block_in_two_engines(engines: dict[str, LLMEngine], arena: KVArena) -> None:
+    """Every block an engine uses or caches lies in a unit it holds, so no two engines' live
+    blocks overlap in bytes."""
+    spans = []
+    for name, engine in engines.items():
+        blocks = engine._blocks
+        held = set(arena.units_held(name))
+        for block_id, (refs, info) in enumerate(zip(blocks.pool.ref_count, blocks.blocks)):
+            if refs or info.key is not None:
+                start, end = arena.byte_range(name, block_id)
+                assert start // arena.unit_bytes in held and (end - 1) // arena.unit_bytes in held, (name, block_id)
+                spans.append((start, end, name))
+        assert all(blocks.pool.owned[b] for b in arena.owned_blocks(name))
+        assert blocks.num_blocks == len(arena.owned_blocks(name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, (a, b)
+
+
+def long_prompt(tokenizer, n_tokens: int) -> list[int]:
+    text = " ".join(f"item {i} weighs {i * 7 % 13} kg." for i in range(n_tokens))
+    return tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+
+
+# the arena ------------------------------------------------------------------------------------
+def test_exchange_unit_is_the_lcm_of_block_bytes_and_every_view_is_the_same_memory():
+    small = BlockShape(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)  # 1024 bytes
+    other = BlockShape(layers=3, kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)  # 768 bytes
+    arena = KVArena({"a": small, "b": other}, {"a": 3 * 3072, "b": 2 * 3072 + 100})
+    assert arena.unit_bytes == math.lcm(1024, 768) == 3072
+    assert arena.home == ["a"] * 3 + ["b"] * 2 and arena.blocks_per_unit("a") == 3 and arena.blocks_per_unit("b") == 4
+    va, vb = arena.view("a"), arena.view("b")
+    assert va.data_ptr() == vb.data_ptr() == arena.memory.data_ptr() and va.shape[0] == 15 and vb.shape[0] == 20
+    for name in ("a", "b"):  # a unit is exactly its blocks' bytes
+        blocks = arena.blocks(name, 3)
+        assert arena.byte_range(name, blocks[0])[0] == 3 * 3072 and arena.byte_range(name, blocks[-1])[1] == 4 * 3072
+    va[arena.blocks("a", 4)[0]].fill_(1.0)  # a write through one engine's view is the other's bytes
+    assert vb[arena.blocks("b", 4)[0]].abs().sum() > 0 and vb[arena.blocks("b", 3)].abs().sum() == 0
+    with pytest.raises(KvshareError, match="exchange unit"):
+        KVArena({"a": small, "b": other}, {"a": 3000, "b": 10_000})
+
+
+def test_a_layer_view_of_the_block_major_arena_reads_and_writes_by_slot():
+    from kvshare.kernels.attention import gather_slots, write_kv_ref
+
+    kv = torch.randn(6, 3, 2, 4, 2, 5)  # (blocks, layers, 2, block_size, heads, dim)
+    k, v = kv[:, 1, 0], kv[:, 1, 1]
+    slots = torch.tensor([0, 5, 23, 9])
+    want = torch.stack([kv[s // 4, 1, 0, s % 4] for s in slots.tolist()])
+    torch.testing.assert_close(gather_slots(k, slots), want, rtol=0, atol=0)
+    new_k, new_v = torch.randn(4, 2, 5), torch.randn(4, 2, 5)
+    before = kv.clone()
+    write_kv_ref(k, v, new_k, new_v, slots)
+    for row, s in enumerate(slots.tolist()):
+        assert torch.equal(kv[s // 4, 1, 0, s % 4], new_k[row]) and torch.equal(kv[s // 4, 1, 1, s % 4], new_v[row])
+        before[s // 4, 1, 0, s % 4], before[s // 4, 1, 1, s % 4] = new_k[row], new_v[row]
+    assert torch.equal(kv, before)  # nothing else moved: other layers' bytes sit between the slots
+
+
+# lending ----------------------------------------------------------------------------------------
+def test_lending_moves_no_bytes_and_the_lenders_cache_survives(base, adapters, tokenizer):
+    engines, arena, lending = engines_in_arena(base, adapters, {"big": 24, "small": 24})
+    small, big = engines["small"], engines["big"]
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    request = small.add_request(prompt, GREEDY)
+    cached_tokens = drive(engines, lending)["small", request]
+    kept = [b for b, info in enumerate(small._blocks.blocks) if info.key is not None]
+    snapshot = arena.memory.clone()
+    address = arena.memory.data_ptr()
+    big.add_request(long_prompt(tokenizer, 120), GREEDY)  # 33 blocks: more than its 24
+    drive(engines, lending)
+    assert lending.counters.units_lent > 0 and arena.units_moved > 0
+    assert arena.memory.data_ptr() == address  # no new memory, no copy
+    for block in kept:  # the lender's cached blocks are untouched and still hit
+        start, end = arena.byte_range("small", block)
+        assert torch.equal(arena.memory[start:end], snapshot[start:end])
+    again = small.add_request(prompt, GREEDY)
+    out = drive(engines, lending)["small", again]
+    assert out == cached_tokens and small.stats()["prefix_hit_tokens"] >= len(prompt) // 4 * 4
+
+
+@pytest.mark.parametrize("adapter", [None, "lora-a", "icarus-a", "alora-a"])
+def test_borrowed_memory_gives_the_private_pools_tokens(base, adapters, tokenizer, invocation, adapter):
+    prompt = long_prompt(tokenizer, 90) + (invocation + prompts_for(tokenizer, 1)[0] if adapter == "alora-a" else [])
+    want = private_outputs(base, adapters, [(prompt, adapter, GREEDY)])
+    engines, arena, lending = engines_in_arena(base, adapters, {"big": 12, "small": 36})
+    request = engines["big"].add_request(prompt, GREEDY, adapter=adapter)  # needs ~29 blocks
+    got = drive(engines, lending, check=lambda: assert_no_block_in_two_engines(engines, arena))
+    assert got["big", request] == want[0]
+    assert lending.stats()["big"]["borrowed_blocks"] > 0 or lending.counters.units_returned > 0
+
+
+def test_reclaim_preempts_the_borrower_and_every_output_stays_exact(base, adapters, tokenizer):
+    long = (long_prompt(tokenizer, 70), "lora-a", SamplingParams(max_tokens=24, ignore_eos=True))
+    chats = [(p, "icarus-a", GREEDY) for p in prompts_for(tokenizer, 3)] * 3
+    want = private_outputs(base, adapters, [long] + chats)
+    engines, arena, lending = engines_in_arena(base, adapters, {"big": 8, "small": 28}, floor_fraction=0.25)
+    long_id = engines["big"].add_request(long[0], long[2], adapter=long[1])
+    for _ in range(3):  # the long request borrows and starts decoding
+        lending.rebalance()
+        engines["big"].step()
+    assert lending.stats()["big"]["borrowed_blocks"] > 0
+    chat_ids = [engines["small"].add_request(p, params, adapter=a) for p, a, params in chats]
+    got = drive(engines, lending, check=lambda: assert_no_block_in_two_engines(engines, arena))
+    assert lending.counters.units_reclaimed > 0 and lending.counters.preempted > 0
+    assert [got["big", long_id]] + [got["small", i] for i in chat_ids] == want
+
+
+def test_borrowed_units_go_home_after_the_peak_window(base, adapters, tokenizer):
+    engines, arena, lending = engines_in_arena(base, adapters, {"big": 12, "small": 36}, peak_window=4)
+    engines["big"].add_request(long_prompt(tokenizer, 90), GREEDY)
+    drive(engines, lending)
+    assert lending.stats()["big"]["borrowed_blocks"] > 0
+    for _ in range(5):
+        lending.rebalance()
+    assert lending.stats()["big"]["borrowed_blocks"] == 0 and lending.counters.units_returned > 0
+    assert arena.holder == arena.home
+
+
+def test_random_load_never_puts_a_block_in_two_engines_and_floors_hold(base, adapters, tokenizer):
+    rng = random.Random(0)
+    homes = {"a": 12, "b": 8, "c": 16}
+    engines, arena, lending = engines_in_arena(base, adapters, homes, block_sizes={"a": 4, "b": 8, "c": 4},
+                                               floor_fraction=0.5, peak_window=3)
+    kinds = [None, "lora-a", "lora-b", "icarus-a", "icarus-b"]
+    pieces = [long_prompt(tokenizer, 24)] + prompts_for(tokenizer, 3)
+    for step in range(60):
+        if rng.random() < 0.5:
+            name = rng.choice(list(engines))
+            prompt = sum((rng.choice(pieces) for _ in range(rng.randint(1, 3))), [])
+            engines[name].add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True),
+                                      adapter=rng.choice(kinds))
+        lending.rebalance()
+        for name, engine in engines.items():
+            assert sum(arena.home[u] == name for u in arena.units_held(name)) >= lending.floor_units[name]
+            if engine.has_unfinished():
+                engine.step()
+            assert_no_block_in_two_engines(engines, arena)
+    drive(engines, lending, check=lambda: assert_no_block_in_two_engines(engines, arena))
+    assert lending.counters.units_lent > 0
+
+
+def test_a_request_longer_than_every_lendable_block_is_a_clear_error(base, adapters, tokenizer):
+    engines, arena, lending = engines_in_arena(base, adapters, {"big": 8, "small": 8}, floor_fraction=0.5)
+    assert engines["big"].max_kv_blocks == 12  # its 8 and the small one's 8 above its floor of 4
+    with pytest.raises(KvshareError, match="co-located engines may lend"):
+        engines["big"].add_request(long_prompt(tokenizer, 60), GREEDY)
