@@ -25,6 +25,14 @@ import torch.nn.functional as F
 from .metadata import AttentionMetadata
 
 
+def _row_strides(row: tuple[int, ...]) -> tuple[int, ...]:
+    strides, size = [], 1
+    for dim in reversed(row):
+        strides.append(size)
+        size *= dim
+    return tuple(reversed(strides))
+
+
 def slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """One row per slot of a (blocks, block_size, ...) cache view, plus the row distance of
     consecutive blocks: slot ``b * block_size + o`` is row ``b * ratio + o``.
@@ -34,24 +42,35 @@ def slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     flat ``index_select``; a strided view with a row per slot-sized step keeps the flat
     gather (rows between one block's slots and the next block's are other layers' data,
     never indexed)."""
-    blocks, block_size = cache.shape[:2]
-    row = cache.shape[2:]
-    row_elems = cache[0, 0].numel()
-    if not cache[0, 0].is_contiguous() or cache.stride(1) != row_elems or cache.stride(0) % row_elems:
+    blocks, block_size, *row = cache.shape
+    inner = _row_strides(tuple(row))
+    row_elems = inner[0] * row[0] if row else 1
+    stride = cache.stride()
+    if stride[2:] != inner or stride[1] != row_elems or stride[0] % row_elems:
         raise ValueError("a KV cache view needs contiguous slots (stride(1) = one slot) and blocks "
                          "a whole number of slots apart")
-    ratio = cache.stride(0) // row_elems
+    ratio = stride[0] // row_elems
     if ratio == block_size:
-        return cache.reshape(blocks * block_size, *row), ratio
+        return cache.view(blocks * block_size, *row), ratio
     rows = (blocks - 1) * ratio + block_size  # up to the last block's last slot: inside the storage
-    return cache.as_strided((rows, *row), (row_elems, *cache[0, 0].stride()), cache.storage_offset()), ratio
+    return cache.as_strided((rows, *row), (row_elems, *inner), cache.storage_offset()), ratio
+
+
+_last_index: tuple = (None, None, None)  # (slots, (block_size, ratio), rows): every layer reuses a step's
 
 
 def slot_index(slots: torch.Tensor, block_size: int, ratio: int) -> torch.Tensor:
-    """Flat slots as rows of :func:`slot_rows`' view."""
+    """Flat slots as rows of :func:`slot_rows`' view (the last answer is kept: every layer
+    of a step asks the same)."""
+    global _last_index
     if ratio == block_size:
         return slots
-    return torch.div(slots, block_size, rounding_mode="floor") * ratio + slots.remainder(block_size)
+    last = _last_index
+    if last[0] is slots and last[1] == (block_size, ratio):
+        return last[2]
+    rows = torch.div(slots, block_size, rounding_mode="floor") * ratio + slots.remainder(block_size)
+    _last_index = (slots, (block_size, ratio), rows)
+    return rows
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -201,3 +201,25 @@ def test_a_request_longer_than_every_lendable_block_is_a_clear_error(base, adapt
     assert engines["big"].max_kv_blocks == 12  # its 8 and the small one's 8 above its floor of 4
     with pytest.raises(KvshareError, match="co-located engines may lend"):
         engines["big"].add_request(long_prompt(tokenizer, 60), GREEDY)
+
+
+def test_colocate_builds_engines_over_one_arena_and_serves_through_the_driver(base, adapters, tokenizer):
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    config = EngineConfig(block_size=4)
+    colo = colocate([(str(base), [], config.updated(kv_cache_tokens=48), "long"),
+                     (str(base), [str(adapters["icarus-a"])], config.updated(kv_cache_tokens=160), "agents")],
+                    lending=True)
+    assert colo.stats()["long"]["owned_blocks"] == 12 and colo.stats()["agents"]["owned_blocks"] == 40
+    prompt = long_prompt(tokenizer, 90)  # more than the long model's own 12 blocks
+    want = private_outputs(base, adapters, [(prompt, None, GREEDY)])[0]
+    long_id = colo.add_request("long", prompt, GREEDY)
+    chat_id = colo.add_request("agents", prompts_for(tokenizer, 1)[0], GREEDY, adapter="icarus-a")
+    done = {}
+    while colo.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in colo.step() if o.finished})
+    assert done[long_id] == want and len(done[chat_id]) == GREEDY.max_tokens
+    assert colo.lending.counters.units_lent > 0
+    with pytest.raises(KvshareError, match="served as 'long'"):
+        colocate([(str(base), [], config, "long"), (str(base), [], config, "long")], lending=True)
