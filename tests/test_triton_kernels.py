@@ -212,6 +212,32 @@ def test_triton_engine_generates_what_the_torch_engine_generates(tiny_models, tm
     assert run("triton") == run("torch")
 
 
+def test_triton_engine_serves_forkkv_agents_as_the_torch_engine(tiny_models, tmp_path):
+    """ForkKV in the engine on the Triton kernels (residual attention, KV and residual
+    writes): two LoRA agents sharing a context's base part beside an exact request give
+    the same greedy tokens as on the torch kernels."""
+    from kvshare.random_adapters import random_adapter
+    from kvshare.serve import LLM, SamplingParams
+
+    base = tiny_models("llama")
+    adapters = [random_adapter("lora", base, tmp_path, f"lora-{i}", seed=i) for i in range(2)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    context = list(range(5, 18))
+    prompts = [context + [20], context + [21], [30, 31, 32]]
+
+    def run(kernels: str) -> tuple[list[list[int]], int]:
+        llm = LLM(base, [], kv_cache_tokens=256, block_size=4, kernels=kernels, device=DEVICE)
+        assert llm.engine.runner.kernels.choice["residual_attention"] == kernels
+        for i, path in enumerate(adapters):
+            llm.engine.load_adapter(path, f"lora-{i}", kv_layout="forkkv")
+        first = llm.generate(prompts[:1], params, adapter="lora-0")  # its base part is then shared
+        rest = llm.generate(prompts[1:], params, adapter=["lora-1", None])
+        return [o.token_ids for o in first + rest], llm.engine.stats()["forkkv_base_read_tokens"]
+
+    triton_tokens, triton_reads = run("triton")
+    assert triton_reads > 0 and (triton_tokens, triton_reads) == run("torch")
+
+
 def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error():
     from kvshare.errors import KvshareError
     from kvshare.kernels.triton._common import require_gpu_tensor
