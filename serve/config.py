@@ -31,6 +31,10 @@ class EngineConfig:
     kv_layout: str = "exact"  # lora adapters' KV: exact (private) | forkkv (shared base part + rank-r residual)
     forkkv_max_rank: int = 16  # the ForkKV residual pool's width: the largest adapter rank it serves
     forkkv_residual_tokens: int | None = None  # residual pool capacity (default: 4x the KV pool's tokens)
+    # co-located (SwiftCache): keep one layer of KV locally (kv_cache_* then sizes that layer
+    # buffer) and stream the rest from memory the other engines lend
+    kv_stream: bool = False
+    stream_bandwidth_gbps: float = 16.0  # the simulated link to lent memory on CPU
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -42,8 +46,8 @@ class EngineConfig:
                 raise KvshareError(f"{name} must be at least 1")
         if self.host_cache_tokens < 0 or self.prefetch_steps < 0:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
-        if not self.host_bandwidth_gbps > 0:
-            raise KvshareError("host_bandwidth_gbps must be positive")
+        if not self.host_bandwidth_gbps > 0 or not self.stream_bandwidth_gbps > 0:
+            raise KvshareError("host_bandwidth_gbps and stream_bandwidth_gbps must be positive")
         if self.kv_layout not in ("exact", "forkkv", "full_reuse"):
             raise KvshareError(f"kv_layout must be exact, forkkv or full_reuse, not {self.kv_layout!r}")
         if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):

@@ -330,13 +330,17 @@ class LLMEngine:
         return self.num_waiting() + sum(1 for s in self._scheduler.running if s.num_computed < len(s.prompt))
 
     # co-location (SwiftCache: :mod:`.cache.lending`) -----------------------------------------
-    def join_arena(self, arena: KVArena, name: str) -> None:
+    def join_arena(self, arena: KVArena, name: str, stream_rows: int = 0) -> None:
         """Move this engine's KV into ``arena`` (which it shares with co-located engines) and
-        start with the blocks of the units ``name`` holds there. Needs an idle engine."""
+        start with the blocks of the units ``name`` holds there. ``stream_rows``: keep only a
+        layer buffer of that many one-layer blocks locally and stream every layer from the
+        arena (SwiftCache's layer-stream cache). Needs an idle engine."""
         if self.sequences:
             raise KvshareError("join_arena needs an idle engine")
         view = arena.view(name)
         self.runner.use_kv_memory(view)
+        if stream_rows:
+            self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)
         if self._blocks.tier is not None:
             self._blocks.tier.device_kv = view
         self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
@@ -354,6 +358,11 @@ class LLMEngine:
 
     def kv_blocks_owned(self) -> int:
         return self._blocks.num_blocks
+
+    def stream_stats(self) -> dict:
+        """The layer-stream cache's loads, write-backs and stalls (nothing without one)."""
+        stream = self.runner.stream
+        return {} if stream is None else {"stream_" + k: v for k, v in vars(stream.stats).items()}
 
     def grant_kv_blocks(self, block_ids: list[int]) -> None:
         """Blocks of the arena this engine may use from now on (lent, or given back)."""

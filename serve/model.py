@@ -19,6 +19,7 @@ from ..kernels import Kernels
 from ..safetensors_io import load_tensors, model_weight_files
 from ..families import FAMILIES, rotary_for
 from .batch import Batch
+from .cache.layer_stream import LayerStream
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,7 +98,8 @@ class Model:
         """Run the batch's rows through the model, writing KV where asked; return float32
         logits of its logit rows.
 
-        ``kv_cache`` is block-major, (blocks, layers, 2, block_size, kv_heads, head_dim); ``lora(layer,
+        ``kv_cache`` is block-major, (blocks, layers, 2, block_size, kv_heads, head_dim), or a
+        :class:`LayerStream` over such memory that hands out one layer at a time; ``lora(layer,
         parts)`` gives each adapter slot's (A, B, scale) for a fused projection, or None.
         ForkKV rows (``batch.forkkv``) keep their k/v LoRA apart: ``residual_stack(layer,
         kv_size)`` gives the ForkKV adapters' stacked weights and ``residual_cache`` (2,
@@ -105,6 +107,9 @@ class Model:
         """
         meta, groups, kernels = batch.attention, batch.lora_groups, self.kernels
         fork = batch.forkkv
+        stream = kv_cache if isinstance(kv_cache, LayerStream) else None
+        if stream is not None:  # one layer of KV at a time, in a local buffer
+            meta = stream.begin(meta)
         linear = kernels.linear.apply
         h = F.embedding(batch.tokens, self.embed)
         cos, sin = self.rotary(h, meta.positions[None])
@@ -131,13 +136,18 @@ class Model:
                 k = _rms_norm(k, L["k_norm"], self.eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # this layer's K and V of every block
+            if stream is not None:
+                k_cache, v_cache = stream.layer(i)
+            else:
+                k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # this layer's K and V of every block
             kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.write_rows)
             if fork is None:
                 a = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
             else:
                 a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache, residual_stack(i, self.config.hidden_size, self.kv_size),
                                            fork, rope_cos, rope_sin)
+            if stream is not None:
+                stream.done_with(i)  # the next layer loads while this one's MLP runs
             a = a.reshape(n, self.q_size)
             h = h + adapt(i, "o", a, linear(a, L["o"]))[0]
             x = _rms_norm(h, L["post_norm"], self.eps)

@@ -16,6 +16,7 @@ from ..kernels import Kernels
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
 from .cache.arena import BlockShape
+from .cache.layer_stream import LayerStream
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
 
@@ -45,6 +46,7 @@ class ModelRunner:
         # block-major, as SwiftCache's arena: a block (every layer's K and V) is one span of bytes
         self.kv_cache = torch.zeros(self.num_blocks, *self.block_dims(), dtype=dtype, device=device)
         self.residual_cache: torch.Tensor | None = None  # ForkKV's (2, layers, blocks, block_size, r)
+        self.stream: LayerStream | None = None  # SwiftCache's layer stream over lent memory
 
     def pool_blocks(self, kv_cache_tokens: int | None, kv_cache_bytes: int | None) -> int:
         """Blocks of a KV pool of ``kv_cache_bytes`` (else ``kv_cache_tokens``, else 16384 tokens)."""
@@ -69,10 +71,19 @@ class ModelRunner:
         self.kv_cache = kv
         self.num_blocks = kv.shape[0]
 
+    def stream_kv(self, buffer_rows: int, bandwidth_gbps: float) -> None:
+        """Keep one layer of ``buffer_rows`` blocks locally and stream the layers of
+        ``kv_cache`` (lent memory) through it."""
+        if self.residual_cache is not None:
+            raise KvshareError("the layer-stream cache does not serve ForkKV adapters")
+        self.stream = LayerStream(self.kv_cache, buffer_rows, bandwidth_gbps)
+
     def add_residual_pool(self, tokens: int, rank: int) -> int:
         """Allocate ForkKV's residual pool (once): ``tokens`` slots of rank ``rank`` per layer
         for x A_k and x A_v. Returns its number of blocks."""
         m = self.model
+        if self.stream is not None:
+            raise KvshareError("ForkKV adapters cannot be served by a layer-streaming engine")
         if any(L["k_norm"] is not None for L in m.layers):
             raise KvshareError("ForkKV needs keys linear in x (K = x W_k + x A_k B_k); this model "
                                "normalises keys per head (k_norm), which breaks the split")
@@ -90,7 +101,7 @@ class ModelRunner:
         logprob records by logit row for the rows that want them)."""
         batch = build_batch(plans, self.block_size, self.device,
                             adapters.residual_index() if self.residual_cache is not None else None)
-        logits = self.model.forward(batch, self.kv_cache, adapters.lookup, self.residual_cache,
+        logits = self.model.forward(batch, self.stream or self.kv_cache, adapters.lookup, self.residual_cache,
                                     adapters.residual_stack)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]

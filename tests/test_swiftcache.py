@@ -223,3 +223,39 @@ def test_colocate_builds_engines_over_one_arena_and_serves_through_the_driver(ba
     assert colo.lending.counters.units_lent > 0
     with pytest.raises(KvshareError, match="served as 'long'"):
         colocate([(str(base), [], config, "long"), (str(base), [], config, "long")], lending=True)
+
+
+# the layer-stream cache -------------------------------------------------------------------------
+def test_stream_capacity_reproduces_the_papers_worked_example():
+    from kvshare.serve.cache.layer_stream import stream_capacity
+
+    streamed, regular = stream_capacity(local_layer_blocks=100, layers=10, lent_blocks=9 + 8)
+    assert (streamed, regular, streamed + regular) == (17, 8, 25)
+    assert stream_capacity(100, 10, 0) == (0, 10)  # no lending: 100 / 10 whole blocks
+    assert stream_capacity(100, 10, 500) == (100, 0)  # the buffer is the limit
+
+
+@pytest.mark.parametrize("adapter", [None, "lora-a", "icarus-a", "alora-a"])
+def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters, tokenizer, invocation, adapter):
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    prompt = long_prompt(tokenizer, 60) + (invocation + prompts_for(tokenizer, 1)[0] if adapter == "alora-a" else [])
+    want = private_outputs(base, adapters, [(prompt, adapter, GREEDY)])[0]
+    config = EngineConfig(block_size=4)
+    paths = [str(p) for p in adapters.values()]
+    # the long model keeps 12 blocks' bytes locally: a buffer of 24 rows (the tiny model has 2 layers)
+    colo = colocate([(str(base), paths, config.updated(kv_cache_tokens=48, kv_stream=True), "long"),
+                     (str(base), [], config.updated(kv_cache_tokens=160), "agents")], lending=True)
+    long = colo.engines["long"]
+    assert long.runner.stream.buffer_rows == 24 and long.max_kv_blocks == 24 and long.kv_blocks_owned() == 0
+    request = colo.add_request("long", prompt, GREEDY, adapter=adapter)  # 18-23 blocks: more than 12 whole ones
+    chat = colo.add_request("agents", prompts_for(tokenizer, 1)[0], GREEDY)
+    done = {}
+    while colo.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in colo.step() if o.finished})
+    assert done[request] == want and len(done[chat]) == GREEDY.max_tokens
+    stats = long.stream_stats()
+    assert stats["stream_layers_loaded"] > 0 and stats["stream_bytes_written_back"] > 0
+    with pytest.raises(KvshareError, match="co-located engines may lend"):
+        colo.add_request("long", long_prompt(tokenizer, 90), GREEDY)  # more than the buffer's 24 rows

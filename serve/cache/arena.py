@@ -47,7 +47,8 @@ class KVArena:
             raise KvshareError("the arena needs a block shape and a share for every engine")
         self.shapes = dict(shapes)
         self.unit_bytes = math.lcm(*(s.block_bytes for s in shapes.values()))
-        short = [name for name, share in home_bytes.items() if share < self.unit_bytes]
+        # a share of 0 is deliberate (a layer-streaming engine keeps only a layer buffer locally)
+        short = [name for name, share in home_bytes.items() if 0 < share < self.unit_bytes]
         if short:
             raise KvshareError(
                 f"the engines' block sizes give an exchange unit of {self.unit_bytes / 2**20:.2f} MiB (the lcm "
@@ -55,6 +56,8 @@ class KVArena:
                 f"{', '.join(short)}: give it more KV memory, or pick block sizes whose byte sizes share more factors")
         home_units = {name: share // self.unit_bytes for name, share in home_bytes.items()}
         total = sum(home_units.values())
+        if not total:
+            raise KvshareError("the arena has no memory: give at least one engine a KV share")
         self.home: list[str] = [name for name, n in home_units.items() for _ in range(n)]
         self.holder: list[str] = list(self.home)
         self.memory = torch.zeros(total * self.unit_bytes, dtype=torch.uint8, device=device)

@@ -68,9 +68,11 @@ class Lending:
         self.floor_units = {name: math.ceil(floor_fraction * n) for name, n in homes.items()}
         self.peaks = {name: deque(maxlen=peak_window) for name in engines}
         self.counters = LendingStats()
-        for name, engine in engines.items():  # the longest request each may take: all but the others' floors
+        for name, engine in engines.items():  # the most each may hold: all but the others' floors
             others = sum(u for other, u in self.floor_units.items() if other != name)
-            engine.max_kv_blocks = (arena.num_units - others) * arena.blocks_per_unit(name)
+            lendable = (arena.num_units - others) * arena.blocks_per_unit(name)
+            stream = engine.runner.stream  # a layer-streaming engine: no more than its buffer's rows
+            engine.max_kv_blocks = min(lendable, stream.buffer_rows) if stream is not None else lendable
 
     # what each engine needs ------------------------------------------------------------------
     def _units(self, name: str, blocks: int) -> int:
@@ -119,7 +121,9 @@ class Lending:
 
     def _grow(self, name: str, demand: KVDemand) -> None:
         arena = self.arena
-        short = self._units(name, demand.total - self.engines[name].kv_blocks_owned())
+        engine = self.engines[name]
+        room = (engine.max_kv_blocks - engine.kv_blocks_owned()) // arena.blocks_per_unit(name)
+        short = min(room, self._units(name, demand.total - engine.kv_blocks_owned()))
         # 1. reclaim its own units; preempting the borrower only for what is within its home
         # share (a request larger than its share borrows like anyone else)
         within_home = demand.total <= arena.home.count(name) * arena.blocks_per_unit(name)
@@ -172,9 +176,12 @@ class Lending:
         return out
 
 
-def build_arena(engines: dict[str, LLMEngine], home_blocks: dict[str, int]) -> KVArena:
+def build_arena(engines: dict[str, LLMEngine], home_blocks: dict[str, int],
+                stream_rows: dict[str, int] | None = None) -> KVArena:
     """Put idle ``engines`` into one arena, each starting with ``home_blocks`` of its own
-    blocks' bytes (its static partition) as whole exchange units."""
+    blocks' bytes (its static partition) as whole exchange units; an engine with
+    ``stream_rows`` keeps a layer buffer of that many rows and streams its KV from the arena."""
+    stream_rows = stream_rows or {}
     devices = {str(engine.device) for engine in engines.values()}
     if len(devices) != 1:
         raise KvshareError(f"co-located engines must share one device, not {', '.join(sorted(devices))}")
@@ -182,7 +189,7 @@ def build_arena(engines: dict[str, LLMEngine], home_blocks: dict[str, int]) -> K
     arena = KVArena(shapes, {name: home_blocks[name] * shapes[name].block_bytes for name in engines},
                     next(iter(engines.values())).device)
     for name, engine in engines.items():
-        engine.join_arena(arena, name)
+        engine.join_arena(arena, name, stream_rows.get(name, 0))
     return arena
 
 
@@ -193,12 +200,18 @@ def colocate(models: list[tuple[str, list[str], EngineConfig, str]], lending: bo
     from ..colocate import Colocation  # both import the engine, which imports this package
     from ..engine import LLMEngine
 
-    engines, home = {}, {}
+    engines, home, stream_rows = {}, {}, {}
     for model, adapters, config, name in models:
         if name in engines:
             raise KvshareError(f"two co-located models are served as {name!r}")
+        if config.kv_stream and not lending:
+            raise KvshareError(f"{name!r}: the layer-stream cache streams lent memory; it needs lending")
         engine = LLMEngine(model, adapters, config.updated(kv_cache_tokens=config.block_size, kv_cache_bytes=None))
-        home[name] = engine.runner.pool_blocks(config.kv_cache_tokens, config.kv_cache_bytes)
+        blocks = engine.runner.pool_blocks(config.kv_cache_tokens, config.kv_cache_bytes)
+        # a streaming engine's KV memory is its layer buffer: a whole block's bytes hold a
+        # row for one layer of `layers` blocks; all its KV lives in what the others lend
+        home[name] = 0 if config.kv_stream else blocks
+        stream_rows[name] = blocks * engine.runner.block_shape().layers if config.kv_stream else 0
         engines[name] = engine
-    arena = build_arena(engines, home)
+    arena = build_arena(engines, home, stream_rows)
     return Colocation(engines, Lending(arena, engines) if lending else None)
