@@ -162,6 +162,26 @@ def test_reclaim_preempts_the_borrower_and_every_output_stays_exact(base, adapte
     assert [got["big", long_id]] + [got["small", i] for i in chat_ids] == want
 
 
+def test_a_reclaim_takes_idle_units_before_preempting_anyone(base):
+    """The borrower's busy blocks sit in the lowest units (its free list hands out the lowest
+    id first): a reclaim that walked units in order would preempt it needlessly."""
+    engines = {name: LLMEngine(base, kv_cache_tokens=16, block_size=4) for name in ("big", "small")}
+    arena = build_arena(engines, {"big": 2, "small": 24})
+    lending = Lending(arena, engines)
+    big, small = engines["big"], engines["small"]
+    big.add_request(list(range(10, 70)), SamplingParams(max_tokens=2, ignore_eos=True))  # borrows, ends soon
+    big.add_request(list(range(100, 110)), SamplingParams(max_tokens=60, ignore_eos=True))  # keeps decoding
+    for _ in range(4):
+        lending.rebalance()
+        for engine in engines.values():
+            if engine.has_unfinished():
+                engine.step()
+    assert big.num_running() == 1 and lending.stats()["big"]["borrowed_blocks"] > 4
+    small.add_request(list(range(200, 252)), SamplingParams(max_tokens=4, ignore_eos=True))  # 4 units short
+    lending.rebalance()
+    assert lending.counters.units_reclaimed == 4 and lending.counters.preempted == 0 and big.num_running() == 1
+
+
 def test_borrowed_units_go_home_after_the_peak_window(base, adapters, tokenizer):
     engines, arena, lending = engines_in_arena(base, adapters, {"big": 12, "small": 36}, peak_window=4)
     engines["big"].add_request(long_prompt(tokenizer, 90), GREEDY)

@@ -124,14 +124,16 @@ class Lending:
         engine = self.engines[name]
         room = (engine.max_kv_blocks - engine.kv_blocks_owned()) // arena.blocks_per_unit(name)
         short = min(room, self._units(name, demand.total - engine.kv_blocks_owned()))
-        # 1. reclaim its own units; preempting the borrower only for what is within its home
-        # share (a request larger than its share borrows like anyone else)
+        # 1. reclaim its own units: the idle ones first, then, preempting the borrower, only
+        # for what is within its home share (a request larger than its share borrows like
+        # anyone else)
         within_home = demand.total <= arena.home.count(name) * arena.blocks_per_unit(name)
-        for unit, home in enumerate(arena.home):
-            if short and home == name and arena.holder[unit] != name and unit not in self._moved \
-                    and self._move(unit, name, "reclaim", preempt=within_home):
-                self.counters.units_reclaimed += 1
-                short -= 1
+        for preempt in (False, True) if within_home else (False,):
+            for unit, home in enumerate(arena.home):
+                if short and home == name and arena.holder[unit] != name and unit not in self._moved \
+                        and self._move(unit, name, "reclaim", preempt=preempt):
+                    self.counters.units_reclaimed += 1
+                    short -= 1
         for lender in self.engines:  # 2. borrow idle units the others hold beyond what they keep
             if lender == name:
                 continue
