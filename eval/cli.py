@@ -166,6 +166,20 @@ def _cmd_bench_quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_swiftcache(args: argparse.Namespace) -> int:
+    from .perf.swiftcache import markdown, run_swiftcache_bench
+
+    results = run_swiftcache_bench(
+        model=args.model, agent_model=args.agent_model, agents=args.agents, home_tokens=args.home_tokens,
+        agent_home_tokens=args.agent_home_tokens, long_requests=args.long_requests, long_qps=args.long_qps,
+        long_fraction=tuple(args.long_fraction), long_output=args.long_output_tokens, chats=args.chats,
+        chat_qps=args.chat_qps, chat_tokens=args.chat_tokens, chat_output=args.chat_output_tokens,
+        block_size=args.block_size, chunk_tokens=args.chunk_tokens, modes=tuple(args.modes), seed=args.seed,
+        dtype=args.dtype, threads=args.threads, out_dir=args.out)
+    print(markdown(results), end="")
+    return 0
+
+
 def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
     """Options every benchmark takes: the model, its dtype, CPU threads, the report folder."""
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -298,6 +312,33 @@ def register(sub) -> None:
                    help="host links: GB/s, or gpu-ratio (a token's KV loads in 1/8 of its prefill time)")
     p.add_argument("--modes", nargs="+", default=["lru", "lru+host", "kvflow"], choices=["lru", "lru+host", "kvflow"])
     p.set_defaults(func=_cmd_bench_kvflow)
+
+    p = bsub.add_parser("swiftcache", help="SwiftCache: co-located models lending idle KV vs a static partition",
+                        description="A long-context model and agent engines in one KV arena, static "
+                        "partition vs lending: the longest context the long model serves, and a mixed "
+                        "workload (long documents + short chats, Poisson arrivals) with the long requests' "
+                        "P50/P99 TTFT, the agents' TTFT/TPOT, bytes lent, reclaims and preemptions. "
+                        "JSON, markdown, plot.")
+    _bench_common(p, "write swiftcache_bench.{json,md} and swiftcache_bench.png here")
+    p.add_argument("--agent-model", help="the agent engines' model (default: --model)")
+    p.add_argument("--agents", type=int, default=2, help="agent engines beside the long model")
+    p.add_argument("--home-tokens", type=int, default=1024, help="the long model's KV home share, tokens")
+    p.add_argument("--agent-home-tokens", type=int, default=1024, help="each agent's KV home share, tokens")
+    p.add_argument("--long-requests", type=int, default=10)
+    p.add_argument("--long-qps", type=float, default=0.1, help="long-document arrivals per second")
+    p.add_argument("--long-fraction", type=float, nargs=2, default=[0.6, 0.9], metavar=("LO", "HI"),
+                   help="long request length (prompt + output) as a fraction of --home-tokens")
+    p.add_argument("--long-output-tokens", type=int, default=64)
+    p.add_argument("--chats", type=int, default=8, help="chat requests, round-robin over the agents")
+    p.add_argument("--chat-qps", type=float, default=0.1, help="chat arrivals per second (all agents)")
+    p.add_argument("--chat-tokens", type=int, default=256, help="mean chat prompt tokens")
+    p.add_argument("--chat-output-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per engine step (chunked prefill)")
+    p.add_argument("--modes", nargs="+", default=["static", "lending", "lending+stream"],
+                   choices=["static", "lending", "lending+stream"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_bench_swiftcache)
 
     p = sub.add_parser("eval", help="score the base or an adapter through the engine",
                        description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
