@@ -2,7 +2,9 @@
 
 The engine is single-threaded by design (one forward at a time over one KV pool), so every
 call into it - add, abort, step - happens on one background thread; coroutines send it
-commands and receive each request's outputs on their own asyncio queue.
+commands and receive each request's outputs on their own asyncio queue. Co-located models
+(:class:`~.colocate.Colocation`) share that one thread: a command names its model, and each
+cycle steps every model with work, one after another.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from typing import AsyncIterator
 
 from ..errors import KvshareError
+from .colocate import Colocation
 from .engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
@@ -52,8 +55,13 @@ class _Mailbox:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Colocation, max_waiting: int = 256):
+        """Drive one engine or several co-located ones; ``max_waiting`` bounds the requests
+        queued across all of them. ``self.engine`` is the engine when there is one (what
+        :meth:`call` hands its work), else the Colocation."""
+        self.colocation = engine if isinstance(engine, Colocation) else Colocation({engine.model_name: engine})
+        engines = list(self.colocation.engines.values())
+        self.engine = engines[0] if len(engines) == 1 else self.colocation
         self.max_waiting = max_waiting
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
@@ -79,7 +87,7 @@ class AsyncEngine:
 
     def _cycle(self) -> None:
         """Take the queued commands, then run one engine step if there is work."""
-        idle = not self.engine.has_unfinished()
+        idle = not self.colocation.has_unfinished()
         try:
             command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
         except queue.Empty:
@@ -95,13 +103,13 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-        if self.engine.has_unfinished():
+        if self.colocation.has_unfinished():
             try:
-                outputs = self.engine.step()
+                outputs = self.colocation.step()
             except Exception as err:  # not one request's fault (the engine isolates those): fail all
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._streams):
-                    self.engine.abort(request_id)
+                    self.colocation.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine failure: {err}"))
                 self._streams.clear()
                 return
@@ -118,13 +126,13 @@ class AsyncEngine:
             self._answer(*rest)
             return
         if kind == "abort":
-            self.engine.abort(request_id)
+            self.colocation.abort(request_id)
             self._streams.pop(request_id, None)
             return
-        prompt, params, adapter, hints, loop, stream = rest
+        model, prompt, params, adapter, hints, loop, stream = rest
         self._streams[request_id] = (loop, stream)
         try:
-            self.engine.add_request(prompt, params, adapter=adapter, request_id=request_id, hints=hints)
+            self.colocation.add_request(model, prompt, params, adapter=adapter, request_id=request_id, hints=hints)
         except KvshareError as err:
             self._deliver(request_id, err)
             self._streams.pop(request_id, None)
@@ -157,18 +165,20 @@ class AsyncEngine:
     # asyncio side ----------------------------------------------------------------------------
     def has_room(self, n: int = 1) -> bool:
         """Whether ``n`` more requests fit in the waiting queue now."""
-        return self.engine.num_waiting() + self._commands.qsize() + n <= self.max_waiting
+        return self.colocation.num_waiting() + self._commands.qsize() + n <= self.max_waiting
 
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
-                       hints: dict | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as tokens arrive; abort it if the consumer goes away."""
+                       hints: dict | None = None, model: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as tokens arrive; abort it if the consumer goes away.
+        ``model`` is the served base name (None: the only engine)."""
         if not self.alive():
             raise RuntimeError("the engine thread is not running")
         if not self.has_room():
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Mailbox()
-        self._commands.put(("add", request_id, prompt, params, adapter, hints, asyncio.get_running_loop(), stream))
+        self._commands.put(("add", request_id, model, prompt, params, adapter, hints, asyncio.get_running_loop(),
+                            stream))
         finished = False
         try:
             while True:

@@ -8,8 +8,10 @@ import os
 import sys
 
 from ..errors import KvshareError
-from .config import (RAY_ONLY_FLAGS, add_engine_arguments, add_ray_arguments, add_server_arguments,
+from .config import (RAY_ONLY_FLAGS, EngineConfig, add_engine_arguments, add_ray_arguments, add_server_arguments,
                      engine_config_from_args, server_limits_from_args)
+
+COLOCATE_KEYS = ("model", "served_model_name", "adapters", "kv_cache_tokens")
 
 
 def parse_lora_module(value: str, served_names: list[str]) -> tuple[str, str]:
@@ -38,6 +40,47 @@ def parse_lora_module(value: str, served_names: list[str]) -> tuple[str, str]:
     return name, path
 
 
+def parse_colocate_spec(value: str, config: EngineConfig) -> tuple[str, list[str], EngineConfig, str]:
+    """A ``--colocate`` item, ``{"model": ..., "served_model_name": ..., "adapters": [...],
+    "kv_cache_tokens": N}`` (all but model optional), as (model, adapter folders, engine
+    settings: the main model's with its own kv_cache_tokens, served name)."""
+    shape = (f"--colocate: {value!r} must be a JSON object with a string 'model' and optionally "
+             "'served_model_name' (a string), 'adapters' (a list of folders) and 'kv_cache_tokens' "
+             "(a positive integer)")
+    try:
+        item = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise KvshareError(f"--colocate: invalid JSON {value!r} ({err.msg})") from None
+    if not isinstance(item, dict):
+        raise KvshareError(shape)
+    unknown = sorted(set(item) - set(COLOCATE_KEYS))
+    if unknown:
+        raise KvshareError(f"{shape}; unknown: {', '.join(unknown)}")
+    model, name = item.get("model"), item.get("served_model_name", item.get("model"))
+    adapters, tokens = item.get("adapters", []), item.get("kv_cache_tokens")
+    if not (isinstance(model, str) and model and isinstance(name, str) and name and isinstance(adapters, list)
+            and all(isinstance(a, str) and a for a in adapters)
+            and (tokens is None or (type(tokens) is int and tokens >= 1))):
+        raise KvshareError(shape)
+    return model, adapters, config.updated(kv_cache_tokens=tokens) if tokens else config, name
+
+
+def _colocated(args: argparse.Namespace, config: EngineConfig) -> list[tuple[str, list[str], EngineConfig, str]]:
+    """The ``--colocate`` models, checked against the main model and each other."""
+    if args.lending and not args.colocate:
+        raise KvshareError("--lending needs --colocate: models to lend KV blocks between")
+    if not args.colocate:
+        return []
+    if args.served_model_name and len(args.served_model_name) > 1:
+        raise KvshareError("with --colocate, --served-model-name takes one name (each model is served under one)")
+    specs = [parse_colocate_spec(v, config) for v in args.colocate]
+    served = [(args.served_model_name or [args.model])[0]] + [name for *_, name in specs]
+    twice = next((name for i, name in enumerate(served) if name in served[:i]), None)
+    if twice is not None:
+        raise KvshareError(f"--colocate: served model name {twice!r} is used twice (set 'served_model_name')")
+    return specs
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server import serve
@@ -46,6 +89,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     given = [name for name in RAY_ONLY_FLAGS if getattr(args, name) not in (None, False)]
     if given and not args.ray:
         raise KvshareError(f"--{given[0].replace('_', '-')} needs --ray")
+    if args.ray and (args.colocate or args.lending):
+        raise KvshareError("--colocate and --lending do not work with --ray (each Ray replica serves one base model)")
     if args.model and args.model_positional and args.model != args.model_positional:
         raise KvshareError(f"two models given: {args.model_positional!r} and --model {args.model!r}")
     args.model = args.model or args.model_positional
@@ -53,6 +98,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise KvshareError("kvshare serve needs a model: kvshare serve MODEL (or --model MODEL)")
     served_names = args.served_model_name or [args.model]
     lora_modules = [parse_lora_module(v, served_names) for v in args.lora_modules or []]
+    config = engine_config_from_args(args)
+    colocate = _colocated(args, config)
     api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or None  # env: not visible in ps
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvshare: warning: serving on {args.host} without an API key: anyone who can reach "
@@ -62,9 +109,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args, api_key, lora_modules, enable_loading)
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
-          config=engine_config_from_args(args), limits=server_limits_from_args(args),
+          config=config, limits=server_limits_from_args(args),
           lora_modules=lora_modules, served_model_name=args.served_model_name,
-          enable_lora_loading=enable_loading)
+          enable_lora_loading=enable_loading, colocate=colocate, lending=args.lending)
     return 0
 
 
@@ -108,6 +155,12 @@ def register(sub) -> None:
     p.add_argument("--enable-lora-loading", action="store_true",
                    help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also turns this on)")
+    p.add_argument("--colocate", action="append", metavar="SPEC",
+                   help="serve another base model in this process, routed by the request's model (repeatable): "
+                   '\'{"model": NAME_OR_DIR, "served_model_name": ..., "adapters": [DIR, ...], "kv_cache_tokens": N}\' '
+                   "(all but model optional; other engine settings as the main model's)")
+    p.add_argument("--lending", action="store_true",
+                   help="co-located models lend idle KV blocks to each other (SwiftCache)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set KVSHARE_API_KEY, "

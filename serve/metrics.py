@@ -9,6 +9,11 @@ unchanged. ``kvshare_prefix_cache_hit_tokens_total{kv_kind=...}`` says whose KV 
 cache served: base KV shared by the base and ICaRus adapters (``shared_base``), base KV an
 aLoRA read before its invocation (``alora_pre_invocation``), or KV an adapter owns
 (``lora_private``).
+
+Co-located models (:class:`~.colocate.Colocation`) share one registry: vLLM's names tell
+them apart by ``model_name`` as always, ours gain a ``model_name`` label (one engine keeps
+them unlabelled), and ``kvshare:kv_blocks_{owned,lent,borrowed}{model_name=...}`` show each
+model's KV blocks: its own, those lent to the others and those borrowed (SwiftCache).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .cache.host_tier import TierStats
 from .cache.layout import KVLayout
+from .colocate import Colocation
 from .engine import LLMEngine, RequestOutput
 
 # LLMEngine.stats() keys that only grow (Prometheus counters); every other key is a gauge
@@ -65,39 +71,51 @@ def _one_two_five(limit: int) -> list[int]:
 
 
 class _EngineCollector:
-    """The engine's statistics at scrape time, as counters and gauges under both names."""
+    """The engines' statistics at scrape time, as counters and gauges under both names.
 
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine, self.labels = engine, [model_name, "0"]
+    One engine keeps our names plain (unlabelled, as dashboards read them); co-located
+    engines label every one of ours with ``model_name``. vLLM's always carry it."""
+
+    def __init__(self, colocation: Colocation):
+        self.colocation = colocation
+        self.by_model = len(colocation.engines) > 1
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        engines = self.colocation.engines
+        stats = {name: engine.stats() for name, engine in engines.items()}
+        extra = ["model_name"] if self.by_model else []
         by_kind = CounterMetricFamily("kvshare_prefix_cache_hit_tokens",
                                       "prompt tokens served from the prefix cache, by the kind of KV reused",
-                                      labels=["kv_kind"])
-        for kind in KVLayout.reuse_kinds:
-            by_kind.add_metric([kind], stats.get(KIND_PREFIX + kind, 0))
+                                      labels=[*extra, "kv_kind"])
+        ours: dict[str, Metric] = {}
+        for name, values in stats.items():
+            model = [name] if self.by_model else []
+            for kind in KVLayout.reuse_kinds:
+                by_kind.add_metric([*model, kind], values.get(KIND_PREFIX + kind, 0))
+            for key, value in values.items():
+                if key.startswith(KIND_PREFIX):
+                    continue
+                if key not in ours:
+                    ours[key] = CounterMetricFamily(f"kvshare_{key}", COUNTERS[key], labels=extra) \
+                        if key in COUNTERS else \
+                        GaugeMetricFamily(f"kvshare_{key}", f"engine state: {key.replace('_', ' ')}", labels=extra)
+                ours[key].add_metric(model, float(value))
         yield by_kind
-        for key, value in stats.items():
-            if key.startswith(KIND_PREFIX):
-                continue
-            if key in COUNTERS:
-                yield CounterMetricFamily(f"kvshare_{key}", COUNTERS[key], value=float(value))
-            else:
-                yield GaugeMetricFamily(f"kvshare_{key}", f"engine state: {key.replace('_', ' ')}",
-                                        value=float(value))
+        yield from ours.values()
         yield from self._vllm(stats)
+        yield from self._kv_ownership()
 
-    def _vllm(self, stats: dict) -> Iterator[Metric]:
+    def _vllm(self, stats: dict[str, dict]) -> Iterator[Metric]:
         """vLLM's names for the same values (vllm/v1/metrics/loggers.py)."""
-        usage = stats["blocks_in_use"] / stats["blocks_total"] if stats["blocks_total"] else 0.0
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats["running"]),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats["waiting"]),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
-        ):
+        gauges = (("vllm:num_requests_running", "Number of requests in model execution batches.",
+                   lambda s: s["running"]),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s["waiting"]),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                   lambda s: s["blocks_in_use"] / s["blocks_total"] if s["blocks_total"] else 0.0))
+        for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
-            gauge.add_metric(self.labels, float(value))
+            for model, values in stats.items():
+                gauge.add_metric([model, "0"], float(value(values)))
             yield gauge
         for name, doc, key in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
@@ -109,29 +127,51 @@ class _EngineCollector:
             ("vllm:generation_tokens", "Number of generation tokens processed.", "generated_tokens"),
         ):
             counter = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
-            counter.add_metric(self.labels, float(stats[key]))
+            for model, values in stats.items():
+                counter.add_metric([model, "0"], float(values[key]))
             yield counter
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*VLLM_LABELS, "finished_reason"])
-        reasons = dict(self.engine.finish_reasons)  # one C-level copy: the engine thread may add a key
-        for reason in dict.fromkeys([*FINISH_REASONS, *reasons]):
-            success.add_metric([*self.labels, reason], float(reasons.get(reason, 0)))
+        for model, engine in self.colocation.engines.items():
+            reasons = dict(engine.finish_reasons)  # one C-level copy: the engine thread may add a key
+            for reason in dict.fromkeys([*FINISH_REASONS, *reasons]):
+                success.add_metric([model, "0", reason], float(reasons.get(reason, 0)))
         yield success
+
+    def _kv_ownership(self) -> Iterator[Metric]:
+        """Per model: KV blocks it owns now, lends to the co-located others, borrows from them
+        (SwiftCache; without lending each owns its fixed pool)."""
+        stats = self.colocation.stats()
+        for what, doc in (("owned", "KV blocks the model's engine may use now"),
+                          ("lent", "KV blocks of the model's own share lent to co-located models"),
+                          ("borrowed", "KV blocks the model borrows from co-located models")):
+            gauge = GaugeMetricFamily(f"kvshare:kv_blocks_{what}", doc, labels=["model_name"])
+            for model, values in stats.items():
+                gauge.add_metric([model], float(values[f"{what}_blocks"]))
+            yield gauge
 
 
 class ServerMetrics:
     """The server's registry: the engine collector plus per-request histograms."""
 
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, engine: LLMEngine | Colocation, model_name: str | None = None):
+        """Over one engine served as ``model_name``, or over co-located engines (by their
+        served names, which label the histograms too)."""
+        colocation = engine if isinstance(engine, Colocation) else \
+            Colocation({model_name or engine.model_name: engine})
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(colocation))
+        self.by_model = by_model = len(colocation.engines) > 1
+        extra = ("model_name",) if by_model else ()
+        models = list(colocation.engines)
         self.ours = {name: Histogram(f"kvshare_request_{name}_seconds", f"per-request {name.replace('_', ' ')}",
-                                     registry=self.registry, buckets=OUR_BUCKETS)
+                                     extra, registry=self.registry, buckets=OUR_BUCKETS)
                      for name in ("queue_time", "time_to_first_token", "inter_token_latency", "e2e_time")}
-        tokens = _one_two_five(engine.max_model_len)
+        self._default = models[0] if len(models) == 1 else None
+        tokens = _one_two_five(max(e.max_model_len for e in colocation.engines.values()))
 
         def vllm(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, VLLM_LABELS, registry=self.registry, buckets=buckets).labels(model_name, "0")
+            return Histogram(name, doc, VLLM_LABELS, registry=self.registry, buckets=buckets)
 
         # (histogram, RequestOutput.metrics key or a function of the output)
         self.vllm = [
@@ -149,17 +189,28 @@ class ServerMetrics:
             (vllm("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens),
              lambda out: len(out.token_ids)),
         ]
+        for histogram, _ in self.vllm:  # every model's series from zero, as with one engine
+            for model in models:
+                histogram.labels(model, "0")
+        if by_model:
+            for histogram in self.ours.values():
+                for model in models:
+                    histogram.labels(model)
 
-    def observe(self, out: RequestOutput) -> None:
-        """Record a finished request's latencies and sizes."""
+    def observe(self, out: RequestOutput, model_name: str | None = None) -> None:
+        """Record a finished request's latencies and sizes (``model_name``: its served base,
+        needed when several are co-located)."""
+        model = model_name or self._default
+        if model is None:
+            raise ValueError("observe needs the request's model_name when several models are co-located")
         for name, histogram in self.ours.items():
             value = out.metrics.get(name)
             if value is not None:
-                histogram.observe(value)
+                (histogram.labels(model) if self.by_model else histogram).observe(value)
         for histogram, source in self.vllm:
             value = source(out) if callable(source) else out.metrics.get(source)
             if value is not None:
-                histogram.observe(value)
+                histogram.labels(model, "0").observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

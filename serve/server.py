@@ -21,6 +21,10 @@ chat content-part arrays, ``cache_salt`` (only requests with the same salt share
 blocks), model cards with ``root`` and ``parent``, and, behind a flag,
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. Fields we do not implement are a
 400 that names them.
+
+One app can serve several co-located base models (:class:`~.colocate.Colocation`): the
+``model`` field routes each request to its base's engine (its tokenizer, chat template and
+context length), and ``/v1/models`` lists every base with its adapters.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import KvshareError
 from .async_engine import AsyncEngine, Overloaded
+from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
 from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
@@ -158,11 +163,13 @@ class ChatRequest(_OpenAIRequest):
 
 
 class LoadLoraRequest(BaseModel):
-    """vLLM's ``/v1/load_lora_adapter`` body."""
+    """vLLM's ``/v1/load_lora_adapter`` body; ``base_model_name`` (as in vLLM's
+    ``--lora-modules`` JSON) picks the co-located base to load onto (default: the first)."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    base_model_name: str | None = Field(None, min_length=1)
 
 
 class UnloadLoraRequest(BaseModel):
@@ -287,23 +294,31 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
                            param="kvshare_hints")
 
 
-def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_name: str | list[str] | None = None,
-               max_waiting: int | None = None, limits: ServerLimits | None = None,
-               enable_lora_loading: bool = False) -> FastAPI:
-    """The app over ``engine``; ``max_waiting`` overrides ``limits.max_waiting``. The base answers
-    to every name in ``served_model_name`` (vLLM's flag; default: the engine's model name), the
-    first of which the model list shows. ``enable_lora_loading`` adds vLLM's
-    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
+               served_model_name: str | list[str] | None = None, max_waiting: int | None = None,
+               limits: ServerLimits | None = None, enable_lora_loading: bool = False) -> FastAPI:
+    """The app over ``engine``, or over co-located engines (a :class:`Colocation`, served under
+    its names; a request's ``model`` picks the engine); ``max_waiting`` overrides
+    ``limits.max_waiting`` (one queue for all). One engine answers to every name in
+    ``served_model_name`` (vLLM's flag; default: the engine's model name), the first of which
+    the model list shows. ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter``."""
     limits = limits or ServerLimits()
     max_waiting = limits.max_waiting if max_waiting is None else max_waiting
-    runner = AsyncEngine(engine, max_waiting=max_waiting)
+    base_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    if isinstance(engine, Colocation):
+        if base_names:
+            raise KvshareError("co-located models are served under their Colocation names, not served_model_name")
+        colocation = engine
+    else:
+        colocation = Colocation({(base_names or [engine.model_name])[0]: engine})
+    aliases = {alias: base_names[0] for alias in base_names[1:]}  # further names of the one base
+    runner = AsyncEngine(colocation, max_waiting=max_waiting)
     # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
     # so a huge prompt costs one core, not every core
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-tokenize")
-    base_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    base_names = base_names or [engine.model_name]
-    base_name = base_names[0]
-    server_metrics = ServerMetrics(engine, base_name)  # /metrics: ours and vLLM's names
+    server_metrics = ServerMetrics(colocation)  # /metrics: ours and vLLM's names
+
     @asynccontextmanager
     async def lifespan(_app):
         yield
@@ -338,12 +353,12 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         """Run CPU-bound ``work`` (tokenising, chat templates) on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work, *args)
 
-    def resolve(model: str) -> str | None:
-        if model in base_names:
-            return None
-        if any(a.name == model for a in engine.adapters()):
-            return model
-        raise ApiError(404, f"model {model!r} does not exist", kind="not_found_error", param="model")
+    def resolve(model: str) -> tuple[str, LLMEngine, str | None]:
+        """The request's ``model`` -> (served base name, its engine, adapter or None); 404 if unknown."""
+        try:
+            return colocation.resolve(aliases.get(model, model))
+        except UnknownModel as err:
+            raise ApiError(404, str(err), kind="not_found_error", param="model") from None
 
     def params_of(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         req.check_neutral()
@@ -357,15 +372,15 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         except KvshareError as err:
             raise ApiError(400, str(err)) from None
 
-    def check_prompt(tokens: list[int], max_tokens: int) -> None:
+    def check_prompt(engine: LLMEngine, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(tokens) + max_tokens > engine.max_model_len:
             raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
                            f"maximum context length {engine.max_model_len}", param="max_tokens")
 
-    def observe(out: RequestOutput) -> None:
-        server_metrics.observe(out)
+    def observe(out: RequestOutput, base: str) -> None:
+        server_metrics.observe(out, base)
 
     def hints_of(req, request: Request) -> AgentHints:
         """The request's agent hints: the ``kvshare_hints`` body field, ids also from router headers."""
@@ -374,8 +389,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         except KvshareError as err:
             raise ApiError(400, str(err), param="kvshare_hints") from None
 
-    async def run(prompt, params, adapter, hints: AgentHints):
-        stream = runner.generate(prompt, params, adapter, hints)
+    async def run(prompt, params, base: str, adapter, hints: AgentHints):
+        stream = runner.generate(prompt, params, adapter, hints, model=base)
         try:
             first = await stream.__anext__()
         except Overloaded as err:
@@ -386,7 +401,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             raise ApiError(500, str(err), kind="server_error") from None
         return first, stream
 
-    async def start_all(jobs: list[tuple[list[int], SamplingParams]], adapter, hints: AgentHints,
+    async def start_all(jobs: list[tuple[list[int], SamplingParams]], base: str, adapter, hints: AgentHints,
                         n: int = 1) -> list:
         """Queue every (prompt, params) job of a request, in order, or none: if one is refused,
         the others are aborted. A prompt's ``n`` choices are queued one after another, so the
@@ -397,7 +412,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                            param="n" if n > 1 else "prompt")
         if not runner.has_room(len(jobs)):
             raise ApiError(503, f"server overloaded: no room for {len(jobs)} more requests", kind="server_error")
-        started = await asyncio.gather(*(run(p, params, adapter, hints) for p, params in jobs),
+        started = await asyncio.gather(*(run(p, params, base, adapter, hints) for p, params in jobs),
                                        return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -417,7 +432,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                 task.cancel()
                 raise ApiError(499, "the client closed the request")
 
-    async def collect(first: RequestOutput, stream) -> RequestOutput:
+    async def collect(first: RequestOutput, stream, base: str) -> RequestOutput:
         last = first
         if not last.finished:
             try:
@@ -425,10 +440,10 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                     last = out
             except RuntimeError as err:  # the engine failed this request mid-generation
                 raise ApiError(500, str(err), kind="server_error") from None
-        observe(last)
+        observe(last, base)
         return last
 
-    def stream_events(started: list, chunk, final=None):
+    def stream_events(started: list, base: str, chunk, final=None):
         """Server-sent events over every choice's stream, merged as their tokens arrive:
         ``chunk(index, delta, finish_reason, opening)`` makes an event; ``final(outputs)``, if
         given, the last one (the usage chunk). A choice that fails mid-stream ends the whole
@@ -451,7 +466,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
                             if delta or out.finished:
                                 yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False))}\n\n"
                         if out.finished:
-                            observe(out)
+                            observe(out, base)
                         else:
                             pending[asyncio.ensure_future(streams[index].__anext__())] = index
                     if not pending:
@@ -489,24 +504,24 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
-    def logprob_block(out: RequestOutput, echo: bool) -> dict:
+    def logprob_block(tokenizer, out: RequestOutput, echo: bool) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
         no logprob, as in OpenAI and vLLM)."""
         pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
         pairs += [(e["token"], e) for e in out.logprobs]
-        return {"tokens": [engine.tokenizer.decode([t]) for t, _ in pairs],
+        return {"tokens": [tokenizer.decode([t]) for t, _ in pairs],
                 "token_logprobs": [e and e["logprob"] for _, e in pairs],
-                "top_logprobs": [e and top_by_text(e["top"]) for _, e in pairs]}
+                "top_logprobs": [e and top_by_text(tokenizer, e["top"]) for _, e in pairs]}
 
-    def top_by_text(top: dict[int, float]) -> dict[str, float]:
+    def top_by_text(tokenizer, top: dict[int, float]) -> dict[str, float]:
         """OpenAI keys alternatives by text; tokens that decode alike (partial UTF-8 bytes) keep
         the best logprob (``top`` comes best first)."""
         by_text: dict[str, float] = {}
         for token, logprob in top.items():
-            by_text.setdefault(engine.tokenizer.decode([token]), logprob)
+            by_text.setdefault(tokenizer.decode([token]), logprob)
         return by_text
 
-    async def prompts_of(req: CompletionRequest) -> list[list[int]]:
+    async def prompts_of(req: CompletionRequest, tokenizer) -> list[list[int]]:
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]  # an empty list is one empty prompt, refused by check_prompt
         if len(batch) > limits.max_prompts:
@@ -517,7 +532,7 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         if req.echo and req.stream:
             raise ApiError(400, "echo is not supported with stream", param="echo")
         texts = [p for p in batch if isinstance(p, str)]
-        encoded = iter(await off_loop(lambda: [engine.tokenizer.encode(t, add_special_tokens=False)
+        encoded = iter(await off_loop(lambda: [tokenizer.encode(t, add_special_tokens=False)
                                                for t in texts]) if texts else [])
         return [p if isinstance(p, list) else next(encoded) for p in batch]
 
@@ -535,14 +550,15 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
     async def models():
         """vLLM's model cards: ``root`` is where the weights came from, ``parent`` the base an
         adapter runs on (None for the base)."""
-        now = int(time.time())
-        data = [{"id": base_name, "object": "model", "created": now, "owned_by": "kvshare",
-                 "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
-                 "kind": "base"}]
-        for adapter in engine.adapters():
-            data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
-                         "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
-                         "kv_sharing": adapter.spec.scope.value})  # as served (ForkKV: "forkkv")
+        now, data = int(time.time()), []
+        for base_name, engine in colocation.engines.items():  # each base, then its adapters
+            data.append({"id": base_name, "object": "model", "created": now, "owned_by": "kvshare",
+                         "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                         "kind": "base"})
+            for adapter in engine.adapters():
+                data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
+                             "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
+                             "kv_sharing": adapter.spec.scope.value})  # as served (ForkKV: "forkkv")
         return {"object": "list", "data": data}
 
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -570,23 +586,24 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        adapter = resolve(req.model)
+        base, engine, adapter = resolve(req.model)
         check_limits(req, limits, engine.runner.vocab_size)
-        prompts = await prompts_of(req)
+        prompts = await prompts_of(req, engine.tokenizer)
         for prompt in prompts:
-            check_prompt(prompt, req.max_tokens)
+            check_prompt(engine, prompt, req.max_tokens)
         scored = req.logprobs if req.echo else None
         params = params_of(req, req.max_tokens, req.logprobs, prompt_logprobs=scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
         # queued before any finishes and they share batches (and the prompt's blocks)
         jobs = [(prompt, p) for prompt in prompts for p in choice_params(params, req.n)]
-        started = await start_all(jobs, adapter, hints_of(req, request), req.n)
+        started = await start_all(jobs, base, adapter, hints_of(req, request), req.n)
         if not req.stream:
-            outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
+            outs = await unless_gone(request, asyncio.gather(*(collect(first, stream, base)
+                                                               for first, stream in started)))
             choices = [{"index": i, "finish_reason": out.finish_reason,
                         "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
-                        "logprobs": None if req.logprobs is None else logprob_block(out, req.echo)}
+                        "logprobs": None if req.logprobs is None else logprob_block(engine.tokenizer, out, req.echo)}
                        for i, out in enumerate(outs)]
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                     "choices": choices, "usage": usage(outs, req.n)}
@@ -594,11 +611,11 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         def body(delta, finish, opening):
             return {"text": delta or "", "finish_reason": None if opening else finish, "logprobs": None}
 
-        return stream_events(started, *chunker(rid, created, req, body))
+        return stream_events(started, base, *chunker(rid, created, req, body))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        adapter = resolve(req.model)
+        base, engine, adapter = resolve(req.model)
         check_limits(req, limits, engine.runner.vocab_size)
         messages = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(req.messages)]
         try:
@@ -606,9 +623,9 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        check_prompt(prompt, max_tokens)
+        check_prompt(engine, prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        started = await start_all([(prompt, p) for p in choice_params(params, req.n)], adapter,
+        started = await start_all([(prompt, p) for p in choice_params(params, req.n)], base, adapter,
                                   hints_of(req, request), req.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -617,8 +634,8 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
             return {"delta": content, "finish_reason": None if opening else finish}
 
         if req.stream:
-            return stream_events(started, *chunker(rid, created, req, body))
-        outs = await unless_gone(request, asyncio.gather(*(collect(first, stream) for first, stream in started)))
+            return stream_events(started, base, *chunker(rid, created, req, body))
+        outs = await unless_gone(request, asyncio.gather(*(collect(first, stream, base) for first, stream in started)))
         choices = []
         for index, out in enumerate(outs):
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
@@ -637,11 +654,16 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: LoadLoraRequest):
             """Load an exported adapter under ``lora_name``, with the checks of ``--adapter``
-            (manifest, files, base fingerprint), on the engine thread between steps."""
-            if req.lora_name in base_names:
-                raise ApiError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+            (manifest, files, base fingerprint), on the engine thread between steps, onto the
+            base ``base_model_name`` names (default: the first served base)."""
+            if req.lora_name in colocation.engines or req.lora_name in aliases:
+                raise ApiError(400, f"{req.lora_name!r} is a base model's name", param="lora_name")
+            base = aliases.get(req.base_model_name, req.base_model_name) or next(iter(colocation.engines))
+            if base not in colocation.engines:
+                raise ApiError(400, f"base_model_name {req.base_model_name!r} is not a base model served here "
+                               f"({', '.join(map(repr, colocation.engines))})", param="base_model_name")
             try:
-                await runner.call(lambda e: e.load_adapter(req.lora_path, req.lora_name))
+                await runner.call(lambda _: colocation.load_adapter(base, req.lora_path, req.lora_name))
             except (KvshareError, OSError) as err:
                 raise ApiError(400, str(err), param="lora_path") from None
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -649,11 +671,15 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(req: UnloadLoraRequest):
             """Unload an adapter; refused (409) while requests use it."""
-            if not any(a.name == req.lora_name for a in engine.adapters()):
+            try:
+                _, engine, adapter = colocation.resolve(req.lora_name)
+            except UnknownModel:
+                adapter = None
+            if adapter is None:
                 raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
                                kind="not_found_error", param="lora_name")
             try:
-                await runner.call(lambda e: e.unload_adapter(req.lora_name))
+                await runner.call(lambda _: engine.unload_adapter(req.lora_name))
             except KvshareError as err:
                 raise ApiError(409, f"{err}: unload it when they have finished", kind="conflict_error",
                                param="lora_name") from None
@@ -665,14 +691,25 @@ def create_app(engine: LLMEngine, *, api_key: str | None = None, served_model_na
 def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, config: EngineConfig | None = None,
           limits: ServerLimits | None = None, lora_modules: list[tuple[str, str]] = (),
-          served_model_name: list[str] | None = None, enable_lora_loading: bool = False) -> None:
+          served_model_name: list[str] | None = None, enable_lora_loading: bool = False,
+          colocate: list[ModelSpec] = (), lending: bool = False) -> None:
     """Serve ``model`` with ``adapters`` (under their manifest names) and ``lora_modules``
-    ((name, path): vLLM's ``--lora-modules``, served under ``name``)."""
+    ((name, path): vLLM's ``--lora-modules``, served under ``name``), and beside it the
+    ``colocate`` models in the same process (with ``lending``, they lend each other KV blocks)."""
     import uvicorn
 
-    engine = LLMEngine(model, adapters, config)
-    for name, path in lora_modules:
-        engine.load_adapter(path, name)
-    app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
-                     enable_lora_loading=enable_lora_loading)
+    if colocate or lending:
+        if served_model_name and len(served_model_name) > 1:
+            raise KvshareError("co-located models take one served name each (no aliases)")
+        name = (served_model_name or [model])[0]
+        colocation = build_colocation([(model, list(adapters), config or EngineConfig(), name), *colocate], lending)
+        for lora_name, path in lora_modules:
+            colocation.load_adapter(name, path, lora_name)
+        app = create_app(colocation, api_key=api_key, limits=limits, enable_lora_loading=enable_lora_loading)
+    else:
+        engine = LLMEngine(model, adapters, config)
+        for lora_name, path in lora_modules:
+            engine.load_adapter(path, lora_name)
+        app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
+                         enable_lora_loading=enable_lora_loading)
     uvicorn.run(app, host=host, port=port, log_level="info")
