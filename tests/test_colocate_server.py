@@ -310,3 +310,25 @@ def test_serve_colocate_mistakes_are_one_line_errors(cli, bases, adapter_dirs, m
                               "--colocate", clash), "'lora-a'", "unique across co-located")
     monkeypatch.delattr(lending_module, "colocate", raising=False)  # a build without SwiftCache's builder
     assert_one_line_error(cli("serve", base, "--colocate", twice, "--lending"), "lending is not available")
+
+
+def test_serve_colocate_with_lending_serves_beyond_a_models_own_pool(cli, bases, monkeypatch):
+    """`--lending`: a request longer than its model's own KV memory runs on blocks the other
+    model lends, gives what a private pool gives, and /metrics shows the loan."""
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    spec = {"model": str(bases["alpha"]), "served_model_name": "roomy", "kv_cache_tokens": 1024}
+    result = cli("serve", bases["alpha"], "--served-model-name", "tight", "--kv-cache-tokens", "64",
+                 "--block-size", "16", "--colocate", json.dumps(spec), "--lending")
+    assert result.code == 0, result.err
+    prompt = list(range(5, 105))  # 100 tokens: more than tight's own 64
+    want = LLM(bases["alpha"], kv_cache_tokens=1024, block_size=16).generate(
+        [prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].text
+    with TestClient(apps[0]) as client:
+        r = client.post("/v1/completions", json={"model": "tight", "prompt": prompt, "max_tokens": 4,
+                                                 "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        metrics = scrape(client)
+    tight, roomy = (("model_name", "tight"),), (("model_name", "roomy"),)
+    assert metrics["kvshare:kv_blocks_borrowed"][("kvshare:kv_blocks_borrowed", tight)] > 0
+    assert metrics["kvshare:kv_blocks_lent"][("kvshare:kv_blocks_lent", roomy)] > 0
