@@ -57,7 +57,9 @@ class LayerStream:
         self.bandwidth = None if self.cuda else bandwidth_gbps * 1e9
         self.copy_stream = torch.cuda.Stream(remote.device) if self.cuda else None
         self.stats = StreamStats()
-        self._blocks: torch.Tensor | None = None
+        self._blocks: torch.Tensor | None = None  # this step's blocks, in buffer-row order
+        self._meta: AttentionMetadata | None = None  # this step's metadata, and renamed to buffer rows
+        self._renamed: AttentionMetadata | None = None
         self._thread: threading.Thread | None = None
         self._event = None
 

@@ -68,6 +68,7 @@ class Lending:
         self.floor_units = {name: math.ceil(floor_fraction * n) for name, n in homes.items()}
         self.peaks = {name: deque(maxlen=peak_window) for name in engines}
         self.counters = LendingStats()
+        self._moved: set[int] = set()  # units moved this round (each moves at most once)
         for name, engine in engines.items():  # the most each may hold: all but the others' floors
             others = sum(u for other, u in self.floor_units.items() if other != name)
             lendable = (arena.num_units - others) * arena.blocks_per_unit(name)
@@ -109,7 +110,7 @@ class Lending:
         go in the order their oldest unserved request arrived (first come, first served
         across engines, so that engines each waiting for more than they hold cannot
         deadlock), and a unit moves at most once a round."""
-        self._moved: set[int] = set()
+        self._moved.clear()
         demand = {name: engine.kv_demand() for name, engine in self.engines.items()}
         for name, d in demand.items():
             self.peaks[name].append(d.running)
