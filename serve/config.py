@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "torch"  # kernel backend for every operation
+    compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
     host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
@@ -48,6 +49,8 @@ class EngineConfig:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
         if not self.host_bandwidth_gbps > 0 or not self.stream_bandwidth_gbps > 0:
             raise KvshareError("host_bandwidth_gbps and stream_bandwidth_gbps must be positive")
+        if self.compile not in ("auto", "on", "off"):
+            raise KvshareError(f"compile must be auto, on or off, not {self.compile!r}")
         if self.kv_layout not in ("exact", "forkkv", "full_reuse"):
             raise KvshareError(f"kv_layout must be exact, forkkv or full_reuse, not {self.kv_layout!r}")
         if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):
@@ -73,6 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
     g.add_argument("--kernels", default="torch", help="kernel backend (default: torch references)")
+    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="run decode-sized steps through torch.compile (Inductor, weights packed, compiled "
+                   "once per batch bucket and cached under $KVSHARE_HOME/compile); auto: on CPU in float32 "
+                   "with the torch kernels (default auto)")
     g.add_argument("--eviction-policy", choices=["lru", "step"], default="lru",
                    help="which idle cached KV goes first: lru, or step (KVFlow: agents due last go first)")
     g.add_argument("--host-cache-tokens", type=int, default=0,
@@ -94,7 +101,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        kernels=args.kernels, eviction_policy=args.eviction_policy,
+                        kernels=args.kernels, compile=args.compile, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
                         prefetch_steps=args.prefetch_steps, kv_layout=args.kv_layout,
                         forkkv_max_rank=args.forkkv_max_rank, forkkv_residual_tokens=args.forkkv_residual_tokens)

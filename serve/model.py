@@ -110,32 +110,16 @@ class Model:
         stream = kv_cache if isinstance(kv_cache, LayerStream) else None
         if stream is not None:  # one layer of KV at a time, in a local buffer
             meta = stream.begin(meta)
-        linear = kernels.linear.apply
         h = F.embedding(batch.tokens, self.embed)
-        cos, sin = self.rotary(h, meta.positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # (R, 1, d)
-        n = h.shape[0]
+        cos, sin = self.rope(h, meta.positions)
         if fork is not None:  # RoPE of every key position the residual keys need
             rope_cos, rope_sin = (t[0] for t in self.rotary(h, torch.arange(fork.max_context, device=h.device)[None]))
 
-        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-            """Add each row's LoRA delta to a fused output, then split it into its projections."""
-            parts = self.fused[fused]
-            if groups:
-                y = kernels.gathered_lora(x, y, groups, lora(i, parts))
-            return list(torch.split(y, [out for _, out in parts], dim=-1)) if len(parts) > 1 else [y]
+        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            """Add each row's LoRA delta to a fused projection's output."""
+            return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused])) if groups else y
 
-        for i, L in enumerate(self.layers):
-            x = _rms_norm(h, L["input_norm"], self.eps)
-            q, k, v = adapt(i, "qkv", x, linear(x, L["qkv"], L["qkv_bias"]))
-            q = q.reshape(n, self.n_q, self.head_dim)
-            k = k.reshape(n, self.n_kv, self.head_dim)
-            v = v.reshape(n, self.n_kv, self.head_dim)
-            if L["q_norm"] is not None:
-                q = _rms_norm(q, L["q_norm"], self.eps)
-                k = _rms_norm(k, L["k_norm"], self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if stream is not None:
                 k_cache, v_cache = stream.layer(i)
             else:
@@ -144,20 +128,53 @@ class Model:
             if fork is None:
                 a = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
             else:
-                a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache, residual_stack(i, self.config.hidden_size, self.kv_size),
+                a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache,
+                                           residual_stack(i, self.config.hidden_size, self.kv_size),
                                            fork, rope_cos, rope_sin)
             if stream is not None:
                 stream.done_with(i)  # the next layer loads while this one's MLP runs
-            a = a.reshape(n, self.q_size)
-            h = h + adapt(i, "o", a, linear(a, L["o"]))[0]
-            x = _rms_norm(h, L["post_norm"], self.eps)
-            gate, up = adapt(i, "gate_up", x, linear(x, L["gate_up"]))
-            act = F.silu(gate) * up
-            h = h + adapt(i, "down", act, linear(act, L["down"]))[0]
-            if self.hidden_capture is not None:
-                self.hidden_capture.append(h[batch.logit_rows].float())
+            return a
+
+        capture = None
+        if self.hidden_capture is not None:
+            capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
+        h = self.decoder(h, cos, sin, self.layers, kernels.linear.apply, attend, adapt, capture)
         h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
-        return linear(h, self.lm_head).float()
+        return kernels.linear.apply(h, self.lm_head).float()
+
+    def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin for each row's position, shaped (rows, 1, head_dim)."""
+        cos, sin = self.rotary(h, positions[None])
+        return cos[0][:, None, :], sin[0][:, None, :]
+
+    def decoder(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: list[dict], linear,
+                attend, adapt, capture=None) -> torch.Tensor:
+        """The decoder layers over rows ``h``: norms, fused projections, RoPE, MLP. The caller
+        supplies the parts that touch the step's structure: ``attend(i, q, k, v, x)`` (write
+        KV, attend) and ``adapt(i, fused, x, y)`` (LoRA deltas), so the eager forward and the
+        compiled CPU step (:mod:`.compiled`) run the same math."""
+        n = h.shape[0]
+        for i, L in enumerate(layers):
+            x = _rms_norm(h, L["input_norm"], self.eps)
+            q, k, v = torch.split(adapt(i, "qkv", x, linear(x, L["qkv"], L["qkv_bias"])),
+                                  [self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(n, self.n_q, self.head_dim)
+            k = k.reshape(n, self.n_kv, self.head_dim)
+            v = v.reshape(n, self.n_kv, self.head_dim)
+            if L["q_norm"] is not None:
+                q = _rms_norm(q, L["q_norm"], self.eps)
+                k = _rms_norm(k, L["k_norm"], self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            a = attend(i, q, k, v, x).reshape(n, self.q_size)
+            h = h + adapt(i, "o", a, linear(a, L["o"]))
+            x = _rms_norm(h, L["post_norm"], self.eps)
+            gate, up = torch.split(adapt(i, "gate_up", x, linear(x, L["gate_up"])), [self.inter, self.inter], dim=-1)
+            act = F.silu(gate) * up
+            h = h + adapt(i, "down", act, linear(act, L["down"]))
+            if capture is not None:
+                capture(h)
+        return h
 
     def _forkkv_attention(self, i: int, q: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, residual_cache: torch.Tensor, stack, fork, rope_cos: torch.Tensor,

@@ -17,6 +17,7 @@ from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
 from .cache.arena import BlockShape
 from .cache.layer_stream import LayerStream
+from .compiled import BUCKETS, CompiledStep, compile_wanted
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
 
@@ -35,9 +36,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
                  kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
-                 kernels: Kernels):
+                 kernels: Kernels, compile_mode: str = "off", max_step_rows: int = BUCKETS[-1]):
         self.device = device
         self.model = Model(model_dir, dtype, device, kernels)
+        self.compiled = (CompiledStep(self.model, max_step_rows)
+                         if compile_wanted(compile_mode, device, dtype, kernels) else None)
         self.kernels = kernels
         self.block_size = block_size
         m = self.model
@@ -101,8 +104,11 @@ class ModelRunner:
         logprob records by logit row for the rows that want them)."""
         batch = build_batch(plans, self.block_size, self.device,
                             adapters.residual_index() if self.residual_cache is not None else None)
-        logits = self.model.forward(batch, self.stream or self.kv_cache, adapters.lookup, self.residual_cache,
-                                    adapters.residual_stack)
+        kv = self.stream or self.kv_cache
+        if self.compiled is not None and self.compiled.handles(batch, kv, self.model.hidden_capture):
+            logits = self.compiled.forward(batch, kv, adapters.lookup)
+        else:
+            logits = self.model.forward(batch, kv, adapters.lookup, self.residual_cache, adapters.residual_stack)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)

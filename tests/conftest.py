@@ -16,6 +16,10 @@ if not torch.cuda.is_available():
     # for the interpreter or for the compiler when Triton loads, never switched afterwards.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the compiled CPU step costs a compile per batch bucket and process: engines in the suite run
+# eager unless a test asks for it (tests/test_compiled_step.py)
+os.environ.setdefault("KVSHARE_COMPILE", "off")
+
 from kvshare.cli import main
 from kvshare.testing import make_tiny_model
 

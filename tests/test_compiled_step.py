@@ -1,0 +1,115 @@
+"""The compiled CPU step (``compile="on"``, the default on CPU in float32): the same tokens
+and scores as the eager engine for every adapter kind in one mixed step, pad rows that
+never touch the cache, the fall-backs, and when it is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.errors import KvshareError
+from kvshare.kernels import Kernels
+from kvshare.serve import LLM, SamplingParams
+from kvshare.serve.compiled import compile_wanted
+
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+SETTINGS = dict(kv_cache_tokens=512, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def engines(base, adapters):
+    compiled = LLM(base, list(adapters.values()), compile="on", **SETTINGS)
+    eager = LLM(base, list(adapters.values()), compile="off", **SETTINGS)
+    return compiled, eager
+
+
+def _generate(llm, prompts, names, params):
+    engine = llm.engine
+    ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, names)]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def test_a_mixed_step_of_every_kind_gives_the_eager_tokens(engines, tokenizer, invocation):
+    """Base, LoRA, ICaRus (paired rows) and aLoRA requests decode side by side: the steps
+    with 5-8 rows run compiled (bucket 8, pad rows included), the prompts eager."""
+    compiled, eager = engines
+    prompts = prompts_for(tokenizer, 3)
+    prompts.append(prompts[0] + invocation)
+    names = [None, "lora-a", "icarus-a", "alora-a"]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    before = compiled.engine.runner.compiled.steps
+    got = _generate(compiled, prompts, names, params)
+    want = _generate(eager, prompts, names, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert compiled.engine.runner.compiled.steps - before >= 8  # the decode steps ran compiled
+    assert eager.engine.runner.compiled is None
+
+
+def test_scores_match_the_eager_engine(engines, tokenizer):
+    """Logprobs of the sampled tokens agree with eager within float32 rounding of a
+    differently blocked GEMM (three decode rows: the 4-row bucket, one pad row)."""
+    compiled, eager = engines
+    prompts = prompts_for(tokenizer, 3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    got, want = (_generate(llm, prompts, [None] * 3, params) for llm in (compiled, eager))
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [x["logprob"] for x in g.logprobs] == pytest.approx([x["logprob"] for x in w.logprobs], abs=1e-4)
+
+
+def test_pad_rows_never_write_the_cache(engines, tokenizer):
+    """Three decode rows run in the 4-row bucket; only the three real rows' slots change."""
+    compiled, _ = engines
+    engine = compiled.engine
+    engine.reset_prefix_cache()
+    kv = engine.runner.kv_cache
+    prompts = [p[:7] for p in prompts_for(tokenizer, 3)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompts (21 rows: eager)
+    before = kv.clone()
+    steps = engine.runner.compiled.steps
+    engine.step()  # 3 decode rows: compiled, padded to 4
+    assert engine.runner.compiled.steps == steps + 1
+    bs = engine.config.block_size
+    changed = (kv != before).permute(0, 3, 1, 2, 4, 5).flatten(2).any(-1)  # (blocks, offsets)
+    written = {seq.block_table[7 // bs] * bs + 7 % bs for seq in engine._scheduler.running}  # position 7
+    assert {b * bs + o for b, o in changed.nonzero().tolist()} == written and len(written) == 3
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_steps_it_cannot_take_run_eager(engines, tokenizer):
+    compiled, eager = engines
+    runner = compiled.engine.runner
+    long_prompt = sum(prompts_for(tokenizer, 4), [])[:40]  # 40 rows: above the largest bucket
+    steps = runner.compiled.steps
+    params = SamplingParams(max_tokens=1)
+    got = compiled.generate([long_prompt], params)[0].token_ids
+    assert runner.compiled.steps == steps and got == eager.generate([long_prompt], params)[0].token_ids
+    runner.model.hidden_capture = []  # hidden-state probes read each layer: eager
+    compiled.generate([long_prompt[:3]], SamplingParams(max_tokens=2))  # 3 rows, 1 row: would be compiled
+    assert runner.compiled.steps == steps and len(runner.model.hidden_capture) > 0
+    runner.model.hidden_capture = None
+
+
+def test_when_it_is_chosen(monkeypatch):
+    cpu, torch_kernels = torch.device("cpu"), Kernels("torch")
+    monkeypatch.setenv("KVSHARE_COMPILE", "auto")
+    assert compile_wanted("auto", cpu, torch.float32, torch_kernels)
+    assert not compile_wanted("auto", cpu, torch.bfloat16, torch_kernels)
+    assert not compile_wanted("auto", cpu, torch.float32, Kernels("int8"))
+    assert not compile_wanted("off", cpu, torch.float32, torch_kernels)
+    monkeypatch.setenv("KVSHARE_COMPILE", "off")
+    assert not compile_wanted("auto", cpu, torch.float32, torch_kernels)
+    assert compile_wanted("on", cpu, torch.float32, torch_kernels)
+    with pytest.raises(KvshareError, match="linear backend"):
+        compile_wanted("on", cpu, torch.float32, Kernels("int8"))
+    with pytest.raises(KvshareError, match="compile must be"):
+        compile_wanted("sometimes", cpu, torch.float32, torch_kernels)
