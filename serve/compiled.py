@@ -170,6 +170,7 @@ class CompiledStep:
                                    options=INDUCTOR_OPTIONS) for adapted in (False, True)}
         self.compiled: set[tuple[int, bool]] = set()  # (bucket, adapted) traced so far
         self.steps = 0  # steps run compiled
+        self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -193,32 +194,38 @@ class CompiledStep:
         self.steps += 1
         return logits.index_select(0, batch.logit_rows)
 
+    @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
     def _run(self, size: int, adapted: bool, tokens: torch.Tensor, positions: torch.Tensor,
              context: _StepContext) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
         first = (size, adapted) not in self.compiled
         if first:
             log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute, once per process)",
                         size, " with adapters" if adapted else "")
+            self.compiled.add((size, adapted))
+        graphs = counters["stats"]["unique_graphs"]
         _step.context = context
         try:
-            if not first:
-                return self._graphs[adapted](tokens, positions)
-            # freezing is read where torch.compile's options are not: set it for this compile only
+            # freezing is read where torch.compile's options are not; set on every call, so that
+            # any recompile freezes too
             with torch._inductor.config.patch(freezing=True):
-                logits = self._graphs[adapted](tokens, positions)
-            self.compiled.add((size, adapted))
-            return logits
+                return self._graphs[adapted](tokens, positions)
         finally:
             _step.context = None
+            if not first and counters["stats"]["unique_graphs"] != graphs:
+                self.recompiles += 1
+                log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
 
-    def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None,
-                adapted: tuple[bool, ...] = (False,)) -> None:
-        """Compile the given buckets now (default: all, without adapters), so that no request
-        waits for a compile. The warm-up step has no real rows: nothing is written or read."""
+    def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False) -> None:
+        """Compile the given buckets now (default: all), the graph for steps without adapters or
+        (``adapted``) with, so that no request waits for a compile. The warm-up step has no real
+        rows: nothing is written or read."""
         empty = build_attention_metadata([], [], [], [], 1, kv_cache.device)
-        todo = [(size, a) for size in (sizes or self.buckets) for a in adapted if (size, a) not in self.compiled]
+        todo = [(size, adapted) for size in (sizes or self.buckets) if (size, adapted) not in self.compiled]
         for size, a in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
             batch = Batch(torch.zeros(size, dtype=torch.long, device=kv_cache.device), [], empty,
                           torch.zeros(0, dtype=torch.long), [])
-            zeros = torch.zeros(size, dtype=torch.long, device=kv_cache.device)
-            self._run(size, a, zeros, zeros, _StepContext(self.model, kv_cache, batch, lambda *_: [], 0))
+            # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
+            tokens, positions = (torch.zeros(size, dtype=torch.long, device=kv_cache.device) for _ in range(2))
+            self._run(size, a, tokens, positions, _StepContext(self.model, kv_cache, batch, lambda *_: [], 0))

@@ -212,6 +212,15 @@ class LLMEngine:
         self._count_end("abort")
         return True
 
+    def warm_up(self, rows: tuple[int, ...] = (), adapters: bool = False) -> None:
+        """Compile the CPU step now for steps of ``rows`` rows (default: every bucket), the graph
+        for steps without adapters or (``adapters``) with, so that no request waits for a compile
+        (about a minute each for SmolLM2 on 2 cores). Nothing happens on an engine that runs eager."""
+        compiled = self.runner.compiled
+        if compiled is not None:
+            sizes = tuple(sorted({b for b in map(compiled.bucket, rows) if b is not None})) if rows else None
+            compiled.warm_up(self.runner.kv_cache, sizes, adapters)
+
     def has_unfinished(self) -> bool:
         return self._scheduler.has_work()
 

@@ -48,7 +48,7 @@ def test_a_mixed_step_of_every_kind_gives_the_eager_tokens(engines, tokenizer, i
     want = _generate(eager, prompts, names, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert compiled.engine.runner.compiled.steps - before >= 8  # the decode steps ran compiled
-    assert eager.engine.runner.compiled is None
+    assert eager.engine.runner.compiled is None and compiled.engine.runner.compiled.recompiles == 0
 
 
 def test_scores_match_the_eager_engine(engines, tokenizer):
@@ -113,3 +113,19 @@ def test_when_it_is_chosen(monkeypatch):
         compile_wanted("on", cpu, torch.float32, Kernels("int8"))
     with pytest.raises(KvshareError, match="compile must be"):
         compile_wanted("sometimes", cpu, torch.float32, torch_kernels)
+
+
+def test_warm_up_compiles_ahead_and_steps_reuse_its_graph(engines, tokenizer):
+    """After ``warm_up`` a real step of that size runs the warm-up's graph: no guard fails
+    (a warm-up whose inputs differed from a step's, e.g. aliased, would compile again)."""
+    compiled, eager = engines
+    runner = compiled.engine.runner
+    compiled.engine.warm_up((2,))
+    assert (2, False) in runner.compiled.compiled and runner.compiled.recompiles == 0
+    eager.engine.warm_up((2,))  # an eager engine: nothing to do
+    prompts = prompts_for(tokenizer, 2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    steps = runner.compiled.steps
+    got, want = (_generate(llm, prompts, [None, None], params) for llm in (compiled, eager))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert runner.compiled.steps - steps >= 3 and runner.compiled.recompiles == 0
