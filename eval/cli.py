@@ -68,7 +68,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,
                                device=args.device, kernels=args.kernels, peer=args.peer,
-                               peer_venv=args.peer_venv)
+                               peer_venv=args.peer_venv, compile=args.compile)
     print(markdown(results))
     return 0
 
@@ -209,6 +209,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
     p.add_argument("--kernels", default="torch", help="the engine's kernel backend (default: torch references)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's compiled CPU step (default auto: on for CPU float32; compiled before timing)")
     _peer_arguments(p, "decode and prefill rows, same prompt tokens, threads and --dtype")
     p.set_defaults(func=_cmd_bench_engine)
 

@@ -86,9 +86,11 @@ def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new:
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
                      new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
                      device: str = "cpu", kernels: str = "torch", peer: str | None = None,
-                     peer_venv: str | Path | None = None) -> dict:
+                     peer_venv: str | Path | None = None, compile: str = "auto") -> dict:
     """``peer="vllm"`` adds vLLM's CPU build (its venv: ``peer_venv`` if given, it must hold
-    ``bin/vllm``, else made under ``$KVSHARE_HOME/peers``) at ``dtype``."""
+    ``bin/vllm``, else made under ``$KVSHARE_HOME/peers``) at ``dtype``. ``compile`` is the
+    engine's compiled CPU step (:mod:`kvshare.serve.compiled`); its buckets are compiled
+    before anything is timed and the compile time is reported."""
     from transformers import AutoModelForCausalLM
 
     if peer is not None and peer not in PEERS:
@@ -101,10 +103,16 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     lengths = (128, 256) if quick else (1024, 4096)
     llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
-              max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=kernels)
+              max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=kernels,
+              compile=compile)
     tokenizer = llm.engine.tokenizer
     results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens,
-                     "device": device, "kernels": kernels}
+                     "device": device, "kernels": kernels, "compiled": llm.engine.runner.compiled is not None}
+    if results["compiled"]:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair (2 rows, adapters)
+        start = time.perf_counter()
+        llm.engine.warm_up((1, 16))
+        llm.engine.warm_up((2,), adapters=True)
+        results["compile_s"] = time.perf_counter() - start
     steps = tqdm(total=7 if venv else 6, desc="bench engine", unit="figure")
     try:  # the bar closes (its line ends) before an error is printed
         short = _prompt(tokenizer, 32)
@@ -188,7 +196,8 @@ def _peer_label(peer: dict) -> str:
 
 def markdown(results: dict) -> str:
     peer = results.get("peer")
-    head = f"| figure | kvshare ({results['dtype']}) | HF transformers (float32) | kvshare/HF |"
+    engine = results["dtype"] + (", compiled step" if results.get("compiled") else "")
+    head = f"| figure | kvshare ({engine}) | HF transformers (float32) | kvshare/HF |"
     if peer:
         head += f" {_peer_label(peer)} | kvshare/vLLM |"
     lines = [head, "|---" * (6 if peer else 4) + "|"]
