@@ -11,13 +11,13 @@ What torch.compile cannot trace stays eager, behind two opaque custom ops that r
 step's structure from a thread-local context: writing KV and paged attention (a flat
 batch of many sequences, with host-side lists), and the multi-adapter LoRA deltas
 (adapters come and go at run time, so they are never baked into the graph). The graph
-has static shapes: a step's rows are padded up to a bucket (1, 2, 4, ... 64 rows); pad
+has static shapes: a step's rows are padded up to a bucket (1, 2, 4, 8 or 16 rows); pad
 rows run the dense math on token 0 and are never written to the cache nor read back.
 Larger steps (prefill chunks, compute-bound) and anything unusual (ForkKV rows, a
 layer-streaming cache, hidden-state capture, a non-torch linear backend) run the eager
-forward. The compiled code is cached on disk (Inductor's FX graph and autotuning caches,
-under ``$KVSHARE_HOME/compile`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set): its C++ kernels and
-autotuning choices are reused by later processes, but Inductor does not cache a graph whose
+forward. Inductor's on-disk caches live under ``$KVSHARE_HOME/compile`` (unless
+``TORCHINDUCTOR_CACHE_DIR`` is set): its C++ kernels and autotuning choices are reused by
+later processes, but Inductor does not cache a graph whose
 frozen weights it packed for oneDNN (``mkldnn tensors unpickleable`` in its codecache), so
 each process still lowers each bucket it uses (about a minute for SmolLM2 on 2 cores).
 """
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import KvshareError
-from ..paths import kvshare_home
 from ..kernels import build_attention_metadata
+from ..paths import kvshare_home
 from .batch import Batch
 from .model import Model, _rms_norm
 
