@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16)  # decode-sized steps; each costs about a minute to compile here
 MODES = ("auto", "on", "off")
-INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque ops
