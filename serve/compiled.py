@@ -49,6 +49,9 @@ _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "do
 
 _step = threading.local()  # the running step's context, read by the opaque ops
 
+# Both ops are declared without mutated arguments: the KV memory they write is not a graph
+# input, and nothing in the graph reads it but the same op of the same layer, after its write.
+
 
 class _StepContext:
     __slots__ = ("model", "kv_cache", "batch", "lora", "rows")
@@ -98,7 +101,7 @@ class _Decoder(torch.nn.Module):
     def __init__(self, model: Model, adapted: bool):
         super().__init__()
         self.model = model
-        self.adapted = adapted  # plain attribute access; its tensors below are registered as buffers
+        self.adapted = adapted  # this graph calls the LoRA op (steps with adapters) or not
         weight = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731  (same storage)
         self.embed, self.final_norm, self.lm_head = weight(model.embed), weight(model.final_norm), weight(model.lm_head)
         self.present: list[tuple[str, ...]] = []
@@ -148,7 +151,7 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
 
 class CompiledStep:
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
-    first use and cached on disk."""
+    first use in each process (or ahead, by :meth:`warm_up`)."""
 
     def __init__(self, model: Model, max_rows: int = BUCKETS[-1]):
         import torch._dynamo
