@@ -137,6 +137,8 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
         raise KvshareError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "auto":
         mode = os.environ.get("KVSHARE_COMPILE", "auto")
+        if mode not in MODES:
+            raise KvshareError(f"KVSHARE_COMPILE must be one of {', '.join(MODES)}, not {mode!r}")
         if mode == "auto":
             return device.type == "cpu" and dtype == torch.float32 and kernels.choice["linear"] == "torch"
     if mode != "on":
@@ -172,7 +174,7 @@ class CompiledStep:
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
                                    options=INDUCTOR_OPTIONS) for adapted in (False, True)}
-        self.compiled: set[tuple[int, bool]] = set()  # (bucket, adapted) traced so far
+        self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self.steps = 0  # steps run compiled
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
 
@@ -203,11 +205,11 @@ class CompiledStep:
              context: _StepContext) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
-        first = (size, adapted) not in self.compiled
+        first = (size, adapted) not in self.traced
         if first:
             log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute, once per process)",
                         size, " with adapters" if adapted else "")
-            self.compiled.add((size, adapted))
+            self.traced.add((size, adapted))
         graphs = counters["stats"]["unique_graphs"]
         _step.context = context
         try:
@@ -226,10 +228,9 @@ class CompiledStep:
         (``adapted``) with, so that no request waits for a compile. The warm-up step has no real
         rows: nothing is written or read."""
         empty = build_attention_metadata([], [], [], [], 1, kv_cache.device)
-        todo = [(size, adapted) for size in (sizes or self.buckets) if (size, adapted) not in self.compiled]
+        todo = [(size, adapted) for size in (sizes or self.buckets) if (size, adapted) not in self.traced]
         for size, a in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
-            batch = Batch(torch.zeros(size, dtype=torch.long, device=kv_cache.device), [], empty,
-                          torch.zeros(0, dtype=torch.long), [])
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
             tokens, positions = (torch.zeros(size, dtype=torch.long, device=kv_cache.device) for _ in range(2))
+            batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
             self._run(size, a, tokens, positions, _StepContext(self.model, kv_cache, batch, lambda *_: [], 0))

@@ -111,6 +111,9 @@ def test_when_it_is_chosen(monkeypatch):
     assert compile_wanted("on", cpu, torch.float32, torch_kernels)
     with pytest.raises(KvshareError, match="linear backend"):
         compile_wanted("on", cpu, torch.float32, Kernels("int8"))
+    monkeypatch.setenv("KVSHARE_COMPILE", "0")
+    with pytest.raises(KvshareError, match="KVSHARE_COMPILE must be"):
+        compile_wanted("auto", cpu, torch.float32, torch_kernels)
     with pytest.raises(KvshareError, match="compile must be"):
         compile_wanted("sometimes", cpu, torch.float32, torch_kernels)
 
@@ -121,7 +124,7 @@ def test_warm_up_compiles_ahead_and_steps_reuse_its_graph(engines, tokenizer):
     compiled, eager = engines
     runner = compiled.engine.runner
     compiled.engine.warm_up((2,))
-    assert (2, False) in runner.compiled.compiled and runner.compiled.recompiles == 0
+    assert (2, False) in runner.compiled.traced and runner.compiled.recompiles == 0
     eager.engine.warm_up((2,))  # an eager engine: nothing to do
     prompts = prompts_for(tokenizer, 2)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
