@@ -68,7 +68,21 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,
                                device=args.device, kernels=args.kernels, peer=args.peer,
-                               peer_venv=args.peer_venv, compile=args.compile)
+                               peer_venv=args.peer_venv, compile=args.compile,
+                               hf_dtype=args.hf_dtype)
+    print(markdown(results))
+    return 0
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from .perf.kernels import markdown, run_kernel_bench
+
+    torch.set_num_threads(args.threads)
+    results = run_kernel_bench(device=args.device, dtype=args.dtype, kernels=args.kernels, shapes=args.shapes,
+                               batches=tuple(args.batches), contexts=tuple(args.contexts),
+                               lora_rows=tuple(args.lora_rows), out_dir=args.out)
     print(markdown(results))
     return 0
 
@@ -208,11 +222,31 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
-    p.add_argument("--kernels", default="torch", help="the engine's kernel backend (default: torch references)")
+    p.add_argument("--kernels", nargs="+", default=["torch"],
+                   help="the engine's kernel backend; several (e.g. torch triton) each get an engine, "
+                   "measured in the same run (default: torch references)")
+    p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="transformers' dtype (default float32, as users run it by default)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="the engine's compiled CPU step (default auto: on for CPU float32; compiled before timing)")
     _peer_arguments(p, "decode and prefill rows, same prompt tokens, threads and --dtype")
     p.set_defaults(func=_cmd_bench_engine)
+
+    p = bsub.add_parser("kernels", help="kernel backends vs each other and SDPA: paged attention, multi-LoRA",
+                        description="Time each kernel backend on the engine's shapes: paged attention "
+                        "(decode rows and ICaRus pairs) against PyTorch SDPA over the same K/V gathered "
+                        "dense, and one projection's LoRA delta with 8 adapters against 1. Meant for a "
+                        "GPU (--device cuda, Triton included); on CPU the torch backends only.")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--kernels", nargs="+", help="backends to time (default: torch, and triton on a GPU)")
+    p.add_argument("--shapes", nargs="+", help="model shapes (default: smollm2-135m llama-8b)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sequences per attention call")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="keys per sequence")
+    p.add_argument("--lora-rows", type=int, nargs="+", default=[16, 64, 256], help="rows per LoRA call")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads")
+    p.add_argument("--out", metavar="DIR", help="write kernel_bench.json and kernel_bench.md here")
+    p.set_defaults(func=_cmd_bench_kernels)
 
     p = bsub.add_parser("quant", help="weight-only int8 (--kernels int8) vs float: quality and speed",
                         description="The engine with an int8 base (--kernels int8) against float32 "

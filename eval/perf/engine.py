@@ -56,18 +56,38 @@ def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: i
     return times[len(times) // 2]  # median step
 
 
-def _prefill_rates(llm: LLM, hf, prompt: list[int]) -> tuple[float, float]:
+def _hf_prefill_rate(hf, prompt: list[int]) -> float:
     with torch.no_grad():
         hf(torch.tensor([prompt[:64]], device=hf.device))
         start = time.perf_counter()
         hf(torch.tensor([prompt], device=hf.device))
         if hf.device.type == "cuda":
             torch.cuda.synchronize()  # the forward is asynchronous there
-        hf_rate = len(prompt) / (time.perf_counter() - start)
+        return len(prompt) / (time.perf_counter() - start)
+
+
+def _engine_prefill_rate(llm: LLM, prompt: list[int]) -> float:
     llm.engine.reset_prefix_cache()  # forget cached prefixes: measure compute
+    llm.generate([prompt[:64]], SamplingParams(max_tokens=1))  # a first prefill of this size pays set-up
+    llm.engine.reset_prefix_cache()
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
-    return len(prompt) / (time.perf_counter() - start), hf_rate
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def _merge(results: dict, figures: dict, column: str | None) -> None:
+    """Put one backend's figures into the report: the first backend (``column`` None) under the
+    keys a single-backend report has (``"kvshare"``; the ICaRus step flat, ``compile_s`` a
+    number), every other one beside it as ``column`` (e.g. ``"kvshare[triton]"``)."""
+    for key, value in figures.items():
+        mine = value["kvshare"]
+        if column is None:
+            results[key] = dict(mine) if key == "icarus_step_ratio" else (
+                mine if key == "compile_s" else dict(value))
+        elif key == "compile_s":
+            results[f"compile_s[{column}]"] = mine
+        else:
+            results.setdefault(key, {})[column] = mine
 
 
 def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
@@ -85,82 +105,121 @@ def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new:
 
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
                      new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
-                     device: str = "cpu", kernels: str = "torch", peer: str | None = None,
-                     peer_venv: str | Path | None = None, compile: str = "auto") -> dict:
-    """``peer="vllm"`` adds vLLM's CPU build (its venv: ``peer_venv`` if given, it must hold
-    ``bin/vllm``, else made under ``$KVSHARE_HOME/peers``) at ``dtype``. ``compile`` is the
-    engine's compiled CPU step (:mod:`kvshare.serve.compiled`); its buckets are compiled
-    before anything is timed and the compile time is reported."""
+                     device: str = "cpu", kernels: str | list[str] = "torch", peer: str | None = None,
+                     peer_venv: str | Path | None = None, compile: str = "auto",
+                     hf_dtype: str = "float32") -> dict:
+    """``kernels`` may name several backends: each gets its own engine and its own figures,
+    measured in the same run beside the same transformers model (at ``hf_dtype``; default
+    float32, transformers as users run it by default). ``peer="vllm"`` adds vLLM's CPU build
+    (its venv: ``peer_venv`` if given, it must hold ``bin/vllm``, else made under
+    ``$KVSHARE_HOME/peers``) at ``dtype``. ``compile`` is the engine's compiled CPU step
+    (:mod:`kvshare.serve.compiled`); its buckets are compiled before anything is timed and
+    the compile time is reported."""
     from transformers import AutoModelForCausalLM
 
+    backends = [kernels] if isinstance(kernels, str) else list(kernels)
+    if not backends or len(set(backends)) != len(backends):
+        raise KvshareError("--kernels needs one or more distinct backends")
     if peer is not None and peer not in PEERS:
         raise KvshareError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     if peer and device != "cpu":
         raise KvshareError("the vLLM peer is vLLM's CPU build: use it with --device cpu")
+    if hf_dtype not in ("float32", "bfloat16"):
+        raise KvshareError(f"hf dtype must be float32 or bfloat16, not {hf_dtype!r}")
     venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None) if peer else None
     model_dir = setup(model, threads)
-    # the baseline is transformers as users run it by default: float32 (BRIEF.md's 11.8 tok/s)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, hf_dtype)).to(device).eval()
     lengths = (128, 256) if quick else (1024, 4096)
-    llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
-              max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=kernels,
-              compile=compile)
-    tokenizer = llm.engine.tokenizer
-    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "new_tokens": new_tokens,
-                     "device": device, "kernels": kernels, "compiled": llm.engine.runner.compiled is not None}
-    if results["compiled"]:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair (2 rows, adapters)
-        start = time.perf_counter()
-        llm.engine.warm_up((1, 16))
-        llm.engine.warm_up((2,), adapters=True)
-        results["compile_s"] = time.perf_counter() - start
-    steps = tqdm(total=7 if venv else 6, desc="bench engine", unit="figure")
+    results: dict = {"model": str(model), "dtype": dtype, "hf_dtype": hf_dtype, "threads": threads,
+                     "new_tokens": new_tokens, "device": device, "kernels": backends[0], "backends": backends}
+    if device.startswith("cuda"):
+        results["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    steps = tqdm(total=len(backends) * 5 + 1 + (1 if venv else 0), desc="bench engine", unit="figure")
     try:  # the bar closes (its line ends) before an error is printed
-        short = _prompt(tokenizer, 32)
-        results["decode_b1"] = {"kvshare": engine_decode_rate(llm, [short], new_tokens),
-                                "hf": _hf_decode_rate(hf, [short], new_tokens)}
-        steps.update()
-        batch = [_prompt(tokenizer, 32 + i) for i in range(16)]
-        batch = [p[-32:] for p in batch]  # equal lengths: HF needs no padding
-        results["decode_b16"] = {"kvshare": engine_decode_rate(llm, batch, new_tokens),
-                                 "hf": _hf_decode_rate(hf, batch, new_tokens)}
-        steps.update()
-        prefill_prompts = {length: _prompt(tokenizer, length) for length in lengths}
-        for length, prompt in prefill_prompts.items():
-            ours, theirs = _prefill_rates(llm, hf, prompt)
-            results[f"prefill_{length}"] = {"kvshare": ours, "hf": theirs}
-            steps.update()
-        if venv:
-            _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens,
-                              {"decode_b1": [short], "decode_b16": batch,
-                               "prefill": {str(n): p for n, p in prefill_prompts.items()}}, out_dir)
-            steps.update()
-
-        with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
-            agents = []
-            for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
-                agents.append(llm.engine.load_adapter(random_adapter(kind, model_dir, tmp, f"{kind}-{i}", seed=i)))
-            icarus, lora = agents[:8], agents[8:]
-            base_step = _engine_step_time(llm, short, None)
-            pair_step = _engine_step_time(llm, short, icarus[0])
-            results["icarus_step_ratio"] = {"base_step_s": base_step, "icarus_step_s": pair_step,
-                                            "ratio": pair_step / base_step}
-            steps.update()
-            context = _prompt(tokenizer, 128 if quick else 1024)
-            # new=1: the KV of the shared context itself; new=17: plus 16 generated tokens per agent
-            kv = {"context_tokens": len(context),
-                  "one_agent_bytes": _kv_bytes_for_agents(llm, icarus[:1], context, 1),
-                  "one_agent_bytes_16_generated": _kv_bytes_for_agents(llm, icarus[:1], context, 17)}
-            for n in (2, 4, 8):
-                for kind, names in (("icarus", icarus), ("lora", lora)):
-                    kv[f"{kind}_{n}_bytes"] = _kv_bytes_for_agents(llm, names[:n], context, 1)
-                    kv[f"{kind}_{n}_bytes_16_generated"] = _kv_bytes_for_agents(llm, names[:n], context, 17)
-            results["kv_bytes"] = kv
-            steps.update()
+        tokenizer = None
+        for i, backend in enumerate(backends):
+            llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
+                      max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=backend,
+                      compile=compile)
+            tokenizer = llm.engine.tokenizer
+            if i == 0:
+                results["compiled"] = llm.engine.runner.compiled is not None
+            short, batch, prefill_prompts = _bench_prompts(tokenizer, lengths)
+            figures = _engine_figures(llm, hf if i == 0 else None, short, batch, prefill_prompts,
+                                      new_tokens, model_dir, steps)
+            _merge(results, figures, None if i == 0 else f"kvshare[{backend}]")
+            if i == 0 and venv:
+                _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens,
+                                  {"decode_b1": [short], "decode_b16": batch,
+                                   "prefill": {str(n): p for n, p in prefill_prompts.items()}}, out_dir)
+                steps.update()
+            if i == 0:
+                context = _prompt(tokenizer, 128 if quick else 1024)
+                results["kv_bytes"] = _kv_bytes(llm, model_dir, context)
+                steps.update()
+            del llm
     finally:
         steps.close()
     if out_dir:
         write_report(results, Path(out_dir))
     return results
+
+
+def _bench_prompts(tokenizer, lengths: tuple[int, ...]):
+    """The batch-1 prompt, 16 equal-length prompts (HF needs no padding), prefill prompts."""
+    short = _prompt(tokenizer, 32)
+    batch = [_prompt(tokenizer, 32 + i)[-32:] for i in range(16)]
+    return short, batch, {length: _prompt(tokenizer, length) for length in lengths}
+
+
+def _engine_figures(llm: LLM, hf, short: list[int], batch: list[list[int]], prefill_prompts: dict,
+                    new_tokens: int, model_dir: Path, steps) -> dict:
+    """One engine's decode, prefill and ICaRus-step figures; with ``hf``, transformers' beside them."""
+    figures: dict = {}
+    if llm.engine.runner.compiled is not None:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair
+        start = time.perf_counter()
+        llm.engine.warm_up((1, 16))
+        llm.engine.warm_up((2,), adapters=True)
+        figures["compile_s"] = {"kvshare": time.perf_counter() - start}
+    for key, prompts in (("decode_b1", [short]), ("decode_b16", batch)):
+        figures[key] = {"kvshare": engine_decode_rate(llm, prompts, new_tokens)}
+        if hf is not None:
+            figures[key]["hf"] = _hf_decode_rate(hf, prompts, new_tokens)
+        steps.update()
+    for length, prompt in prefill_prompts.items():
+        figures[f"prefill_{length}"] = {"kvshare": _engine_prefill_rate(llm, prompt)}
+        if hf is not None:
+            figures[f"prefill_{length}"]["hf"] = _hf_prefill_rate(hf, prompt)
+        steps.update()
+    with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
+        icarus = llm.engine.load_adapter(random_adapter("icarus", model_dir, tmp, "icarus-step", seed=0))
+        base_step = _engine_step_time(llm, short, None)
+        pair_step = _engine_step_time(llm, short, icarus)
+        llm.engine.unload_adapter(icarus)
+    figures["icarus_step_ratio"] = {"kvshare": {"base_step_s": base_step, "icarus_step_s": pair_step,
+                                                "ratio": pair_step / base_step}}
+    steps.update()
+    return figures
+
+
+def _kv_bytes(llm: LLM, model_dir: Path, context: list[int]) -> dict:
+    """Peak KV bytes of N ICaRus and N LoRA agents over one context, against one agent."""
+    with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
+        agents = []
+        for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
+            agents.append(llm.engine.load_adapter(random_adapter(kind, model_dir, tmp, f"{kind}-{i}", seed=i)))
+        icarus, lora = agents[:8], agents[8:]
+        # new=1: the KV of the shared context itself; new=17: plus 16 generated tokens per agent
+        kv = {"context_tokens": len(context),
+              "one_agent_bytes": _kv_bytes_for_agents(llm, icarus[:1], context, 1),
+              "one_agent_bytes_16_generated": _kv_bytes_for_agents(llm, icarus[:1], context, 17)}
+        for n in (2, 4, 8):
+            for kind, names in (("icarus", icarus), ("lora", lora)):
+                kv[f"{kind}_{n}_bytes"] = _kv_bytes_for_agents(llm, names[:n], context, 1)
+                kv[f"{kind}_{n}_bytes_16_generated"] = _kv_bytes_for_agents(llm, names[:n], context, 17)
+        for name in agents:
+            llm.engine.unload_adapter(name)
+    return kv
 
 
 def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtype: str, threads: int,
@@ -195,30 +254,43 @@ def _peer_label(peer: dict) -> str:
 
 
 def markdown(results: dict) -> str:
+    """The figures as one table: each engine backend beside transformers (and the vLLM peer);
+    the first backend is the ``kvshare`` column, every other one adds a column and its ratio."""
     peer = results.get("peer")
+    backends = results.get("backends", [results.get("kernels", "torch")])
+    extra = [f"kvshare[{b}]" for b in backends[1:]]
     engine = results["dtype"] + (", compiled step" if results.get("compiled") else "")
-    head = f"| figure | kvshare ({engine}) | HF transformers (float32) | kvshare/HF |"
+    where = f", {results['gpu']}" if results.get("gpu") else ""
+    first = f"kvshare ({engine}, {backends[0]} kernels{where})" if extra or where else f"kvshare ({engine})"
+    head = (f"| figure | {first} | HF transformers ({results.get('hf_dtype', 'float32')}) | kvshare/HF |"
+            + "".join(f" {col} | {col.split('[')[1][:-1]}/HF |" for col in extra))
     if peer:
         head += f" {_peer_label(peer)} | kvshare/vLLM |"
-    lines = [head, "|---" * (6 if peer else 4) + "|"]
+    width = 4 + 2 * len(extra) + (2 if peer else 0)
+    lines = [head, "|---" * width + "|"]
+    pad = " - | - |" * len(extra)
     blank = " - | - |" if peer else ""
     for key, label in [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
             (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in results if k.startswith("prefill_")]:
         r = results[key]
         line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |"
+        line += "".join(f" {r[col]:.1f} | {r[col] / r['hf']:.2f}x |" for col in extra)
         if peer:
             line += (f" {r['vllm']:.1f} | {r['kvshare'] / r['vllm']:.2f}x |" if r.get("vllm") else blank)
         lines.append(line)
     s = results["icarus_step_ratio"]
-    lines.append(f"| ICaRus paired decode step / base step | {s['icarus_step_s'] * 1e3:.1f} ms | "
-                 f"{s['base_step_s'] * 1e3:.1f} ms (base) | {s['ratio']:.2f}x |" + blank)
+    steps = [s] + [s[col] for col in extra]
+    lines.append("| ICaRus paired decode step / base step | " + " | ".join(
+        [f"{steps[0]['icarus_step_s'] * 1e3:.2f} / {steps[0]['base_step_s'] * 1e3:.2f} ms | | {steps[0]['ratio']:.2f}x"]
+        + [f"{t['icarus_step_s'] * 1e3:.2f} / {t['base_step_s'] * 1e3:.2f} ms | {t['ratio']:.2f}x" for t in steps[1:]])
+        + " |" + blank)
     kv = results["kv_bytes"]
     for n in (2, 4, 8):
         for suffix, what in (("", "context"), ("_16_generated", "context + 16 generated tokens each")):
             one = kv[f"one_agent_bytes{suffix}"]
             lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token {what}) | "
                          f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
-                         f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + blank)
+                         f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + pad + blank)
     return "\n".join(lines) + "\n"
 
 
