@@ -390,3 +390,12 @@ def test_a_failing_llamacpp_probe_is_one_clear_error(tmp_path, tiny_models, cli,
     log = Path(result.err.rsplit("(log: ", 1)[1].split(")")[0])
     assert "bad magic" in log.read_text()  # the log it names is kept
     shutil.rmtree(log.parent)
+
+
+def test_llama_cpp_is_an_extra_pinned_to_the_peer_version_and_not_built_in_ci():
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras["llamacpp"] == [f"llama-cpp-python=={peers.LLAMACPP_VERSION}"]
+    assert not [req for req in extras["test"] if req.startswith("llama-cpp-python")]  # CI would compile it
