@@ -343,8 +343,9 @@ def test_engine_bench_merges_the_llamacpp_peer_figures(tmp_path, tiny_models, mo
     gguf = tmp_path / "weights.gguf"
     monkeypatch.setattr(engine, "llamacpp_gguf", lambda model_dir: gguf)  # a tiny model has no zoo GGUF
     monkeypatch.setenv("FAKE_PROBE_SEEN", str(tmp_path / "seen.json"))
+    monkeypatch.chdir(tmp_path)  # a relative --out: the probe runs in its own folder, where "out" is not
     results = engine.run_engine_bench(model=str(tiny_models("llama")), new_tokens=8, quick=True, threads=1,
-                                      peer="llamacpp", peer_venv=venv, out_dir=tmp_path / "out")
+                                      peer="llamacpp", peer_venv=venv, out_dir="out")
     seen = json.loads((tmp_path / "seen.json").read_text())
     prompts = seen["prompts"]
     assert [len(p) for p in prompts["decode_b1"]] == [32] and [len(p) for p in prompts["decode_b16"]] == [32] * 16

@@ -203,14 +203,15 @@ def run_vllm_engine_probe(venv: Path, model_dir: Path, dtype: str, prompts: dict
     command = vllm_engine_probe_command(venv, probe, model_dir, dtype, prompts_file, new_tokens, max_model_len,
                                         max_num_batched_tokens)
     env = vllm_env(threads, kv_cache_gib) | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout: the JSON line
-    return _run_probe("vLLM", command, env, Path(workdir) / "vllm-engine-probe.log", timeout)
+    return _run_probe("vLLM", command, env, probe.parent / "vllm-engine-probe.log", timeout)
 
 
 def _probe_workdir(probe: Path, prompts: dict, workdir: Path) -> tuple[Path, Path]:
     """The probe copied into ``workdir``, and the prompts written there. It runs from there:
     run from a kvshare checkout (or from ``eval/perf``, which Python would put first on the
-    path) our folders would shadow imports."""
-    workdir = Path(workdir)
+    path) our folders would shadow imports. Absolute paths: the probe runs with ``workdir`` as
+    its current folder, where a relative ``--out`` would not resolve."""
+    workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(probe, workdir / probe.name)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
@@ -326,4 +327,4 @@ def run_llamacpp_engine_probe(venv: Path, gguf: Path, prompts: dict, new_tokens:
     probe, prompts_file = _probe_workdir(LLAMACPP_PROBE, prompts, workdir)
     command = llamacpp_engine_probe_command(venv, probe, gguf, prompts_file, new_tokens, threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    return _run_probe("llama.cpp", command, env, Path(workdir) / "llamacpp-engine-probe.log", timeout)
+    return _run_probe("llama.cpp", command, env, probe.parent / "llamacpp-engine-probe.log", timeout)
