@@ -126,5 +126,29 @@ def make_tiny_model(
     return out
 
 
+def random_model_like(model_dir: Path | str, out_dir: Path | str, *, seed: int = 0) -> Path:
+    """A folder with ``model_dir``'s config, tokenizer and chat template but random weights.
+
+    For timing where the weights cannot travel (a lent GPU machine reaches no registry and takes
+    64 MiB of files; SmolLM2-135M's weights are 538 MB): speed depends on the shapes, not the
+    values. Only config, tokenizer and generation files are read from ``model_dir``.
+    """
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src, out = Path(model_dir), Path(out_dir)
+    config = AutoConfig.from_pretrained(str(src))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return out
+
+
 # random non-zero adapters live in random_adapters.py (benchmarks use them too)
 from .random_adapters import ICARUS_TARGETS, make_peft_adapter  # noqa: E402,F401

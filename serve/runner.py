@@ -30,6 +30,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise KvshareError("device 'cuda' was asked for, but torch sees no CUDA GPU")
     if device.type not in ("cpu", "cuda"):
         raise KvshareError(f"device must be cpu or cuda, not {device.type!r}")
+    if device.type == "cuda" and device.index is None:
+        # tensors report "cuda:0", never "cuda": name the index, so device checks compare equal
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

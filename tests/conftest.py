@@ -23,6 +23,21 @@ os.environ.setdefault("KVSHARE_COMPILE", "off")
 from kvshare.cli import main
 from kvshare.testing import make_tiny_model
 
+# The engine exactness tests on another device or kernel backend: with KVSHARE_TEST_DEVICE=cuda
+# (and KVSHARE_TEST_KERNELS=triton) every engine a test builds without naming a device or a
+# backend runs there, so the same tests hold the GPU path to transformers, PEFT and the CPU.
+_TEST_ENGINE = {name: os.environ[var] for name, var in (("device", "KVSHARE_TEST_DEVICE"),
+                                                        ("kernels", "KVSHARE_TEST_KERNELS")) if os.environ.get(var)}
+if _TEST_ENGINE:
+    from dataclasses import make_dataclass
+
+    import kvshare.serve.engine as _engine_module
+    from kvshare.serve.config import EngineConfig
+
+    _TestEngineConfig = make_dataclass("EngineConfig", [(name, str, value) for name, value in _TEST_ENGINE.items()],
+                                       bases=(EngineConfig,), frozen=True)
+    _engine_module.EngineConfig = _TestEngineConfig
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):

@@ -271,7 +271,9 @@ def test_a_request_whose_prefix_is_loading_is_skipped_not_waited_for(base, fixed
     order = [rid for rid, _ in finished]
     assert order == ["other", "reload"]  # the second request ran while the first one's KV loaded
     reload = dict(finished)["reload"]
-    assert reload.metrics["prompt_tokens_cached"] == FIXED and reload.metrics["load_wait_time"] > 0.3
+    assert reload.metrics["prompt_tokens_cached"] == FIXED
+    if engine.device.type == "cpu":  # the slow link is simulated on CPU; a GPU copies at its own speed
+        assert reload.metrics["load_wait_time"] > 0.3
     fresh = LLM(base, kv_cache_tokens=4096, block_size=BS).generate([fixed_prompts[0] + [7, 8]], params)[0]
     assert reload.token_ids == fresh.token_ids
 

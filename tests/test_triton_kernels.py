@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
+import torch
+
+if not torch.cuda.is_available():  # a GPU runs the kernels compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
@@ -83,6 +85,45 @@ def test_write_and_attention_equal_the_reference(scenario, n_q, n_kv):
     want = REF.paged_attention(q, ref_k, ref_v, meta, d ** -0.5)
     got = FAST.paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("n_q,n_kv", [(6, 2), (4, 1)], ids=["gqa3", "gqa4"])
+def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv):
+    """Flash decoding: each program takes a share of the keys and a second kernel merges
+    them; sequences shorter than a share, ICaRus pairs, a prefill chunk and read-only rows
+    leave some splits without keys for some rows."""
+    gen = torch.Generator().manual_seed(splits * 10 + n_q)
+    block_size, n_blocks, d = 4, 100, 8
+    sequences = [(130, [130]), (20, [20]), (70, [70, 70]), (90, list(range(90, 96))), (40, [12])]
+    tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, sequences)
+    meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
+    k_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    q = torch.randn(len(row_seq), n_q, d, generator=gen).to(DEVICE)
+    want = REF.paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
+    got = tk.paged_attention(q, k_cache, v_cache, meta, d ** -0.5, splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_keys_are_split_only_while_the_grid_leaves_the_gpu_idle():
+    import kvshare.kernels.triton.attention as attention
+
+    gpu, sms = torch.device("cuda", 0), 132
+    saved = attention._SMS.get(0)
+    attention._SMS[0] = sms  # an H100's count, without asking a device
+    try:
+        key_splits = attention.key_splits
+        assert key_splits(3, 4096, gpu) == 16  # one sequence, 3 KV heads: 264 / 3 programs, 4096 / 256 keys
+        assert key_splits(3, 1024, gpu) == 4  # no split shorter than 256 keys
+        assert key_splits(3, 300, gpu) == 1  # too short to split
+        assert key_splits(2 * sms, 4096, gpu) == 1  # the grid fills the GPU
+        assert key_splits(100, 4096, gpu) == 3
+    finally:
+        if saved is None:
+            attention._SMS.pop(0)
+        else:
+            attention._SMS[0] = saved
 
 
 def test_attention_reads_a_strided_layer_of_the_engine_cache():

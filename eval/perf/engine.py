@@ -47,6 +47,11 @@ def _hf_decode_rate(model, prompts: list[list[int]], new: int) -> float:
     return len(prompts) * (new - 1) / (run(new) - prefill)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: int = 24) -> float:
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True), adapter=adapter)
@@ -62,17 +67,17 @@ def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: i
 
 def _hf_prefill_rate(hf, prompt: list[int]) -> float:
     with torch.no_grad():
-        hf(torch.tensor([prompt[:64]], device=hf.device))
+        hf(torch.tensor([prompt], device=hf.device))  # warm-up of this shape (a GPU loads kernels lazily)
+        _sync(hf.device)
         start = time.perf_counter()
         hf(torch.tensor([prompt], device=hf.device))
-        if hf.device.type == "cuda":
-            torch.cuda.synchronize()  # the forward is asynchronous there
+        _sync(hf.device)  # the forward is asynchronous there
         return len(prompt) / (time.perf_counter() - start)
 
 
 def _engine_prefill_rate(llm: LLM, prompt: list[int]) -> float:
     llm.engine.reset_prefix_cache()  # forget cached prefixes: measure compute
-    llm.generate([prompt[:64]], SamplingParams(max_tokens=1))  # a first prefill of this size pays set-up
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # the first prefill of a size pays set-up
     llm.engine.reset_prefix_cache()
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
@@ -194,6 +199,8 @@ def _engine_figures(llm: LLM, hf, short: list[int], batch: list[list[int]], pref
         llm.engine.warm_up((2,), adapters=True)
         figures["compile_s"] = {"kvshare": time.perf_counter() - start}
     for key, prompts in (("decode_b1", [short]), ("decode_b16", batch)):
+        engine_decode_rate(llm, prompts, 4)  # warm-up: a GPU loads each kernel on first use
+        llm.engine.reset_prefix_cache()
         figures[key] = {"kvshare": engine_decode_rate(llm, prompts, new_tokens)}
         if hf is not None:
             figures[key]["hf"] = _hf_decode_rate(hf, prompts, new_tokens)

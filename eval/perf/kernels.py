@@ -54,13 +54,17 @@ BLOCK_SIZE = 16
 LORA_RANK = 16
 
 
-def _timer(device: torch.device):
-    """A function timing ``fn()`` in milliseconds: CUDA events through Triton's do_bench
-    (median), or the median of host-timed calls on CPU."""
+def _timers(device: torch.device) -> dict:
+    """Functions timing ``fn()`` in milliseconds, by name. CUDA: ``launch`` is Triton's do_bench
+    median (events; the host's launch cost counts when it exceeds the GPU's work, as it does in
+    an eager decode step), ``graph`` the same calls captured in a CUDA graph and replayed (the
+    GPU's time alone, as a graph-captured decode step sees it; None when the call cannot be
+    captured). CPU: ``launch`` is the median of host-timed calls."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return {"launch": lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median"),
+                "graph": lambda fn: _graph_time(fn, do_bench)}
 
     def cpu(fn, reps: int = 10) -> float:
         fn()
@@ -71,7 +75,22 @@ def _timer(device: torch.device):
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
-    return cpu
+    return {"launch": cpu}
+
+
+def _graph_time(fn, do_bench, calls: int = 20) -> float | None:
+    """Per-call time of ``calls`` back-to-back calls of ``fn`` replayed from one CUDA graph."""
+    fn()  # warm-up outside the capture: compiles kernels, fills per-step caches
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:  # e.g. a host sync inside the call
+        torch.cuda.synchronize()
+        return None
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / calls
 
 
 def _paged_batch(shape: Shape, batch: int, context: int, rows_per_seq: int, dtype: torch.dtype,
@@ -97,8 +116,14 @@ def _paged_batch(shape: Shape, batch: int, context: int, rows_per_seq: int, dtyp
     return k_cache, v_cache, meta, q, (dense_q, dense_k, dense_v)
 
 
+def _time_into(row: dict, name: str, fn, timers: dict) -> None:
+    """``row[name_ms]`` (launch timing) and, on CUDA, ``row[name_graph_ms]``."""
+    for kind, timer in timers.items():
+        row[f"{name}_ms" if kind == "launch" else f"{name}_{kind}_ms"] = timer(fn)
+
+
 def _attention_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], dtype: torch.dtype,
-                    device: torch.device, batches: tuple[int, ...], contexts: tuple[int, ...], timer,
+                    device: torch.device, batches: tuple[int, ...], contexts: tuple[int, ...], timers: dict,
                     bar) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -109,8 +134,8 @@ def _attention_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], 
                 k_cache, v_cache, meta, q, (dq, dk, dv) = _paged_batch(
                     shape, batch, context, rows_per_seq, dtype, device, gen)
                 sdpa = lambda: F.scaled_dot_product_attention(dq, dk, dv, scale=scale, enable_gqa=True)  # noqa: E731
-                row = {"shape": shape_name, "rows": what, "batch": batch, "context": context,
-                       "sdpa_gathered_ms": timer(sdpa)}
+                row = {"shape": shape_name, "rows": what, "batch": batch, "context": context}
+                _time_into(row, "sdpa_gathered", sdpa, timers)
                 expected = sdpa().transpose(1, 2).reshape(q.shape)
                 for backend, k in kernels.items():
                     out = k.paged_attention(q, k_cache, v_cache, meta, scale)
@@ -118,7 +143,7 @@ def _attention_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], 
                     if err > (1e-3 if dtype == torch.float32 else 2e-2):
                         raise KvshareError(f"{backend} paged attention differs from SDPA by {err:.2e} "
                                            f"({shape_name}, {what}, batch {batch}, context {context})")
-                    row[f"{backend}_ms"] = timer(lambda: k.paged_attention(q, k_cache, v_cache, meta, scale))
+                    _time_into(row, backend, lambda: k.paged_attention(q, k_cache, v_cache, meta, scale), timers)
                     row[f"{backend}_rel_err"] = err
                 rows.append(row)
                 bar.update()
@@ -133,7 +158,7 @@ def _lora_weights(shape: Shape, n_adapters: int, dtype: torch.dtype, device: tor
 
 
 def _lora_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], dtype: torch.dtype,
-               device: torch.device, batch_rows: tuple[int, ...], timer, bar) -> list[dict]:
+               device: torch.device, batch_rows: tuple[int, ...], timers: dict, bar) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(1)
     weights = _lora_weights(shape, 8, dtype, device, gen)
@@ -141,13 +166,14 @@ def _lora_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], dtype
     for n_rows in batch_rows:
         x = torch.randn(n_rows, shape.hidden, generator=gen).to(device, dtype)
         base_out = F.linear(x, base_weight)
-        row = {"shape": shape_name, "rows": n_rows, "base_linear_ms": timer(lambda: F.linear(x, base_weight))}
+        row = {"shape": shape_name, "rows": n_rows}
+        _time_into(row, "base_linear", lambda: F.linear(x, base_weight), timers)
         for n_adapters in (1, 8):
             slots = [r % n_adapters for r in range(n_rows)]  # rows interleaved: each adapter's rows scattered
             groups = lora_groups(slots, device)
             for backend, k in kernels.items():
-                row[f"{backend}_{n_adapters}_adapters_ms"] = timer(
-                    lambda: k.gathered_lora(x, base_out, groups, weights))
+                _time_into(row, f"{backend}_{n_adapters}_adapters", lambda: k.gathered_lora(x, base_out, groups, weights),
+                           timers)
         rows.append(row)
         bar.update()
     return rows
@@ -171,37 +197,58 @@ def run_kernel_bench(device: str = "cuda", dtype: str = "bfloat16", kernels: lis
     for name in shapes:
         if name not in SHAPES:
             raise KvshareError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    timer = _timer(dev)
+    timers = _timers(dev)
     results: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                     "timings": list(timers),
                      "dtype": dtype, "backends": kernels, "block_size": BLOCK_SIZE, "lora_rank": LORA_RANK,
                      "torch": torch.__version__, "attention": [], "lora": []}
     total = len(shapes) * (2 * len(batches) * len(contexts) + len(lora_rows))
     with torch.no_grad(), tqdm(total=total, desc="bench kernels", unit="case") as bar:
         for name in shapes:
             shape = SHAPES[name]
-            results["attention"] += _attention_rows(name, shape, chosen, torch_dtype, dev, batches, contexts, timer, bar)
-            results["lora"] += _lora_rows(name, shape, chosen, torch_dtype, dev, lora_rows, timer, bar)
+            results["attention"] += _attention_rows(name, shape, chosen, torch_dtype, dev, batches, contexts, timers, bar)
+            results["lora"] += _lora_rows(name, shape, chosen, torch_dtype, dev, lora_rows, timers, bar)
     if out_dir:
         _write(results, out_dir, "kernel_bench", markdown)
     return results
 
 
+_TIMING_TITLES = {"launch": "Each call launched from Python (host launch cost included)",
+                  "graph": "Calls replayed from a CUDA graph (the GPU's time alone)"}
+
+
+def _ms(row: dict, name: str, suffix: str) -> float | None:
+    return row.get(f"{name}{suffix}_ms")
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def markdown(results: dict) -> str:
     backends_ = results["backends"]
     lines = [f"Device: {results['device']}, {results['dtype']}, torch {results['torch']}; "
-             f"block size {results['block_size']}, LoRA rank {results['lora_rank']}. Times in ms (median).", "",
-             "| shape | rows | batch | context | SDPA, gathered K/V | "
-             + " | ".join(f"{b} paged | {b} / SDPA" for b in backends_) + " |",
-             "|---" * (5 + 2 * len(backends_)) + "|"]
-    for r in results["attention"]:
-        cells = " | ".join(f"{r[f'{b}_ms']:.4f} | {r[f'{b}_ms'] / r['sdpa_gathered_ms']:.2f}x" for b in backends_)
-        lines.append(f"| {r['shape']} | {r['rows']} | {r['batch']} | {r['context']} | "
-                     f"{r['sdpa_gathered_ms']:.4f} | {cells} |")
-    lines += ["", "| shape | rows | base linear | "
-              + " | ".join(f"{b} 1 adapter | {b} 8 adapters | {b} 8 / 1" for b in backends_) + " |",
-              "|---" * (3 + 3 * len(backends_)) + "|"]
-    for r in results["lora"]:
-        cells = " | ".join(f"{r[f'{b}_1_adapters_ms']:.4f} | {r[f'{b}_8_adapters_ms']:.4f} | "
-                           f"{r[f'{b}_8_adapters_ms'] / r[f'{b}_1_adapters_ms']:.2f}x" for b in backends_)
-        lines.append(f"| {r['shape']} | {r['rows']} | {r['base_linear_ms']:.4f} | {cells} |")
+             f"block size {results['block_size']}, LoRA rank {results['lora_rank']}. Times in ms (median)."]
+    for kind in results.get("timings", ["launch"]):
+        suffix = "" if kind == "launch" else f"_{kind}"
+        lines += ["", f"**{_TIMING_TITLES[kind]}.**", "",
+                  "| shape | rows | batch | context | SDPA, gathered K/V | "
+                  + " | ".join(f"{b} paged | {b} / SDPA" for b in backends_) + " |",
+                  "|---" * (5 + 2 * len(backends_)) + "|"]
+        for r in results["attention"]:
+            sdpa = _ms(r, "sdpa_gathered", suffix)
+            cells = " | ".join(f"{_cell(_ms(r, b, suffix))} | {_ratio(_ms(r, b, suffix), sdpa)}" for b in backends_)
+            lines.append(f"| {r['shape']} | {r['rows']} | {r['batch']} | {r['context']} | {_cell(sdpa)} | {cells} |")
+        lines += ["", "| shape | rows | base linear | "
+                  + " | ".join(f"{b} 1 adapter | {b} 8 adapters | {b} 8 / 1" for b in backends_) + " |",
+                  "|---" * (3 + 3 * len(backends_)) + "|"]
+        for r in results["lora"]:
+            cells = " | ".join(
+                f"{_cell(_ms(r, f'{b}_1_adapters', suffix))} | {_cell(_ms(r, f'{b}_8_adapters', suffix))} | "
+                f"{_ratio(_ms(r, f'{b}_8_adapters', suffix), _ms(r, f'{b}_1_adapters', suffix))}" for b in backends_)
+            lines.append(f"| {r['shape']} | {r['rows']} | {_cell(_ms(r, 'base_linear', suffix))} | {cells} |")
     return "\n".join(lines) + "\n"

@@ -10,8 +10,10 @@ stops at its own row's position (``positions``), so decode rows, read-only rows,
 pairs and prefill chunks that continue cached context mix in one launch. Keys are found
 through the block tables; softmax is computed online (flash attention), in float32.
 
-No split over the key axis (flash decoding) yet: a long decode with few sequences leaves a
-large GPU underused.
+When that grid is too small to fill the GPU (a few sequences decoding long contexts: one
+program per sequence and KV head), the key axis is split too (flash decoding): each split
+writes its unnormalised partial output with its running max and sum, and a second kernel
+merges the splits of each row and head.
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ _BLOCK_N = 32  # keys per step of the loop over a sequence's context
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, positions_ptr, loc_ptr, tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_best_ptr, part_total_ptr,
+    positions_ptr, loc_ptr, tables_ptr,
     stride_qr, stride_qh, stride_or, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    stride_table, block_size, scale,
-    GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, ROWS: tl.constexpr,
+    stride_table, block_size, scale, num_splits, split_keys,
+    GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     row_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     first = tl.load(loc_ptr + seq)
     last = tl.load(loc_ptr + seq + 1)
     row_start = first + row_block * ROWS
@@ -56,11 +60,15 @@ def _paged_attention_kernel(
         # key any row of the tile may see
         limit = tl.load(positions_ptr + rows, mask=line_ok, other=-1)
         end = tl.max(limit, axis=0) + 1
+        lo = 0
+        if SPLIT:  # this program's share of the keys: [lo, lo + split_keys)
+            lo = split * split_keys
+            end = tl.minimum(end, lo + split_keys)
         best = tl.full([ROWS * HEADS_PAD], -1.0e30, tl.float32)  # finite: no inf - inf
         total = tl.zeros([ROWS * HEADS_PAD], tl.float32)
         acc = tl.zeros([ROWS * HEADS_PAD, DIM_PAD], tl.float32)
         keys = tl.arange(0, BLOCK_N)
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             key = start + keys
             key_ok = key < end
             block = tl.load(tables_ptr + seq * stride_table + key // block_size, mask=key_ok, other=0)
@@ -79,17 +87,71 @@ def _paged_attention_kernel(
             acc = acc * keep[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             total = total * keep + tl.sum(probs, axis=1)
             best = new_best
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None] & dim_ok[None, :])
+        if SPLIT:  # partials of (row, head, split), merged by _merge_splits_kernel
+            part = (rows * (GROUP * tl.num_programs(2) // num_splits) + heads) * num_splits + split
+            tl.store(part_best_ptr + part, best, mask=line_ok)
+            tl.store(part_total_ptr + part, total, mask=line_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=line_ok[:, None] & dim_ok[None, :])
+        else:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_or + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=line_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_best_ptr, part_total_ptr, out_ptr, stride_or, stride_oh,
+                         num_splits, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program per (row, query head): rescale each split to the largest max and sum."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    part = (row * tl.num_programs(1) + head) * num_splits + splits
+    best = tl.load(part_best_ptr + part, mask=split_ok, other=-1.0e30)
+    total = tl.load(part_total_ptr + part, mask=split_ok, other=0.0)
+    weight = tl.exp(best - tl.max(best, axis=0))  # a split that saw no key: best -1e30, weight 0
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)  # set by TRITON_INTERPRET at import
 
 
+_MIN_SPLIT_KEYS = 256  # fewer keys per split: the merge costs more than the parallelism gains
+
+
+_SMS: dict[int, int] = {}  # multiprocessors per GPU index, asked once
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+def key_splits(programs: int, longest: int, device: torch.device) -> int:
+    """How many parts to split each sequence's keys into: enough programs for two per SM, none
+    shorter than ``_MIN_SPLIT_KEYS`` keys; 1 (no split) when the grid fills the GPU already."""
+    target = 2 * _num_sms(device)
+    if programs >= target or longest < 2 * _MIN_SPLIT_KEYS:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), longest // _MIN_SPLIT_KEYS))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V."""
+                    meta: AttentionMetadata, scale: float, splits: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V.
+
+    ``splits`` parts of the key axis per program (flash decoding); default: chosen from the
+    grid's size and the GPU's (:func:`key_splits`; 1 in Triton's interpreter).
+    """
     rows, n_q, d = q.shape
     n_kv = k_cache.shape[2]
     if n_q % n_kv:
@@ -105,17 +167,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     most_rows = max(end - start for start, end in meta.seq_bounds)  # host-side: no device read
     tile_rows = max(1, min(triton.next_power_of_2(most_rows), _TILE_LINES // heads_pad))
     tile_rows = max(tile_rows, 16 // heads_pad)  # tl.dot wants at least 16 lines
+    row_blocks = triton.cdiv(most_rows, tile_rows)
+    longest = max(meta.seq_context)
+    if splits is None:
+        splits = 1 if INTERPRETED else key_splits(len(meta.seq_bounds) * row_blocks * n_kv, longest, q.device)
+    split_keys = triton.cdiv(triton.cdiv(longest, splits), _BLOCK_N) * _BLOCK_N
+    splits = triton.cdiv(longest, split_keys)  # no split left without keys
+    dim_pad = max(16, triton.next_power_of_2(d))
+    if splits > 1:
+        part_acc = torch.empty(rows, n_q, splits, d, dtype=torch.float32, device=q.device)
+        part_best = torch.empty(rows, n_q, splits, dtype=torch.float32, device=q.device)
+        part_total = torch.empty_like(part_best)
+    else:
+        part_acc = part_best = part_total = out  # unused
     tables = meta.block_tables
-    grid = (len(meta.seq_bounds), triton.cdiv(most_rows, tile_rows), n_kv)
+    grid = (len(meta.seq_bounds), row_blocks, n_kv * splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.positions, meta.query_start_loc, tables,
+        q, k_cache, v_cache, out, part_acc, part_best, part_total,
+        meta.positions, meta.query_start_loc, tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        tables.stride(0), meta.block_size, scale,
-        GROUP=group, HEADS_PAD=heads_pad, ROWS=tile_rows, HEAD_DIM=d,
-        DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
+        tables.stride(0), meta.block_size, scale, splits, split_keys,
+        GROUP=group, HEADS_PAD=heads_pad, ROWS=tile_rows, SPLIT=splits > 1, HEAD_DIM=d,
+        DIM_PAD=dim_pad, BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
     )
+    if splits > 1:
+        _merge_splits_kernel[(rows, n_q)](part_acc, part_best, part_total, out, out.stride(0), out.stride(1),
+                                          splits, HEAD_DIM=d, DIM_PAD=dim_pad,
+                                          SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out
 
 
