@@ -255,7 +255,8 @@ def ensure_llamacpp_venv(venv: Path | None = None) -> Path:
     """The peer venv holding llama-cpp-python. A given ``venv`` must already hold it; without
     one, the default under ``$KVSHARE_HOME/peers`` is built when missing (pip compiles
     llama.cpp: a few minutes on 2 cores, once; its output goes to a log beside the venv)
-    and marked complete last, so a half-built one is built again."""
+    and marked complete last, so a half-built one is built again. pip's wheel cache is skipped:
+    the wheel is compiled for this CPU (``-march=native``) and that cache may be shared."""
     if venv is not None:
         venv = Path(venv)
         if not (venv / "bin" / "python").is_file() or not _has_llama_cpp(venv):
@@ -274,8 +275,8 @@ def ensure_llamacpp_venv(venv: Path | None = None) -> Path:
           f"a few minutes, once; log: {log})", file=sys.stderr, flush=True)
     env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
     steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(venv / "bin" / "python"), "-m", "pip", "install", "--verbose", "--no-binary", "llama-cpp-python",
-              f"llama-cpp-python=={LLAMACPP_VERSION}"]]
+             [str(venv / "bin" / "python"), "-m", "pip", "install", "--verbose", "--no-cache-dir",
+              "--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMACPP_VERSION}"]]
     with open(log, "w") as handle:
         for step in steps:
             handle.write(f"$ {' '.join(step)}\n")
