@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import KvshareError
+from ..hardware import cpu_has_fast_bf16
 from ..kernels import build_attention_metadata
+from ..kernels.quant import Int8Weight
 from ..paths import kvshare_home
 from .batch import Batch
 from .model import Model, _rms_norm
@@ -94,25 +96,55 @@ def _(x, y, layer, fused):
     return torch.empty_like(y)
 
 
+def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
+    which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
+    float32's bytes, dequantised in registers)."""
+    if not isinstance(weight, tuple):
+        return F.linear(x, weight, bias)
+    q, scale = weight
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
+
+
 class _Decoder(torch.nn.Module):
     """The model's weights as parameters of one module (so Inductor freezes and packs them) and
-    its forward over padded rows: embedding, every layer, final norm, head."""
+    its forward over padded rows: embedding, every layer, final norm, head. An int8 weight
+    (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales."""
 
     def __init__(self, model: Model, adapted: bool):
         super().__init__()
         self.model = model
         self.adapted = adapted  # this graph calls the LoRA op (steps with adapters) or not
-        weight = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731  (same storage)
-        self.embed, self.final_norm, self.lm_head = weight(model.embed), weight(model.final_norm), weight(model.lm_head)
+        self.embed, self.final_norm = self._weight("embed", model.embed), self._weight("final_norm", model.final_norm)
+        self.lm_head = self._weight("lm_head", model.lm_head)
         self.present: list[tuple[str, ...]] = []
         for i, layer in enumerate(model.layers):
             names = tuple(key for key in _LAYER_KEYS if layer[key] is not None)
             for key in names:
-                setattr(self, f"l{i}_{key}", weight(layer[key]))
+                self._weight(f"l{i}_{key}", layer[key])
             self.present.append(names)
 
+    def _weight(self, name: str, value):
+        """Register ``value`` (same storage) as parameter(s) ``name``; return what ``_linear`` takes."""
+        param = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+        if isinstance(value, Int8Weight):
+            if not value.packed_kernel:
+                raise KvshareError("the compiled step takes int8 weights of bfloat16 models whose input size is a "
+                                   "multiple of 16; run this one with --compile off")
+            setattr(self, f"{name}_q", param(value.q))
+            setattr(self, f"{name}_scale", param(value.scale))
+            return None
+        setattr(self, name, param(value))
+        return getattr(self, name)
+
+    def _param(self, name: str):
+        if hasattr(self, f"{name}_q"):
+            return getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
+        return getattr(self, name)
+
     def _layers(self) -> list[dict]:
-        return [{key: getattr(self, f"l{i}_{key}") if key in names else None for key in _LAYER_KEYS}
+        return [{key: self._param(f"l{i}_{key}") if key in names else None for key in _LAYER_KEYS}
                 for i, names in enumerate(self.present)]
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, adapt) -> torch.Tensor:
@@ -120,8 +152,8 @@ class _Decoder(torch.nn.Module):
         h = F.embedding(tokens, self.embed)
         cos, sin = m.rope(h, positions)
         attend = lambda i, q, k, v, x: torch.ops.kvshare.step_attention(q, k, v, i)  # noqa: E731
-        h = m.decoder(h, cos, sin, self._layers(), F.linear, attend, adapt)
-        return F.linear(_rms_norm(h, self.final_norm, m.eps), self.lm_head).float()
+        h = m.decoder(h, cos, sin, self._layers(), _linear, attend, adapt)
+        return _linear(_rms_norm(h, self.final_norm, m.eps), self._param("lm_head")).float()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.adapted:
@@ -131,23 +163,30 @@ class _Decoder(torch.nn.Module):
 
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
     """Whether an engine runs the compiled step: ``on`` asks for it (an error where it cannot
-    run), ``auto`` takes it on CPU in float32 with the torch linear backend, ``off`` never.
+    run), ``auto`` takes it on CPU in float32 with the torch linear backend, and in bfloat16
+    (torch or int8 weights) where the CPU has bfloat16 instructions; ``off`` never.
     ``KVSHARE_COMPILE=off`` turns ``auto`` off (the test suite does, to keep its time)."""
     if mode not in MODES:
         raise KvshareError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
+    linear = kernels.choice["linear"]
     if mode == "auto":
         mode = os.environ.get("KVSHARE_COMPILE", "auto")
         if mode not in MODES:
             raise KvshareError(f"KVSHARE_COMPILE must be one of {', '.join(MODES)}, not {mode!r}")
         if mode == "auto":
-            return device.type == "cpu" and dtype == torch.float32 and kernels.choice["linear"] == "torch"
+            return device.type == "cpu" and (
+                (dtype == torch.float32 and linear == "torch")
+                or (dtype == torch.bfloat16 and linear in ("torch", "int8") and cpu_has_fast_bf16()))
     if mode != "on":
         return False
     if device.type != "cpu":
         raise KvshareError("the compiled step is the CPU path; on a GPU use --kernels triton")
-    if kernels.choice["linear"] != "torch":
+    if linear not in ("torch", "int8"):
         raise KvshareError(f"the compiled step packs the weights itself; it does not combine with the "
-                           f"{kernels.choice['linear']!r} linear backend")
+                           f"{linear!r} linear backend")
+    if linear == "int8" and dtype != torch.bfloat16:
+        raise KvshareError("the compiled step takes int8 weights with bfloat16 activations (--dtype bfloat16); "
+                           "float32 activations dequantise per call")
     return True
 
 

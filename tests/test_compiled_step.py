@@ -1,6 +1,7 @@
-"""The compiled CPU step (``compile="on"``, the default on CPU in float32): the same tokens
-and scores as the eager engine for every adapter kind in one mixed step, pad rows that
-never touch the cache, the fall-backs, and when it is chosen."""
+"""The compiled CPU step (``compile="on"``, the default on CPU in float32, and in bfloat16 on
+CPUs with bfloat16 instructions): the same tokens and scores as the eager engine for every
+adapter kind in one mixed step, int8 weights, pad rows that never touch the cache, the
+fall-backs, and when it is chosen."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import pytest
 import torch
 
 from kvshare.errors import KvshareError
+import kvshare.serve.compiled as compiled_module
 from kvshare.kernels import Kernels
+from kvshare.kernels.quant import Int8Weight
+from kvshare.kernels.registry import backends
 from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.compiled import compile_wanted
 
@@ -99,18 +103,51 @@ def test_steps_it_cannot_take_run_eager(engines, tokenizer):
     runner.model.hidden_capture = None
 
 
+def test_int8_weights_in_bfloat16_score_as_the_eager_step(base, adapters, tokenizer, monkeypatch):
+    """--kernels int8 --dtype bfloat16: the graph reads the int8 weights through Inductor's
+    weight-only int8 GEMM. Every compiled step of a mixed base / LoRA / ICaRus batch is also
+    run eagerly (ATen's int8 kernel) on the same batch: the logits agree within bfloat16
+    rounding of differently ordered sums."""
+    llm = LLM(base, [adapters["lora-a"], adapters["icarus-a"]], compile="on", dtype="bfloat16",
+              kernels="int8", **SETTINGS)
+    runner = llm.engine.runner
+    assert isinstance(runner.model.layers[0]["qkv"], Int8Weight)
+    step, pairs = runner.compiled.forward, []
+
+    def both(batch, kv_cache, lora):
+        eager = runner.model.forward(batch, kv_cache, lora)  # first: the compiled step's KV writes win
+        compiled = step(batch, kv_cache, lora)
+        pairs.append((compiled, eager))
+        return compiled
+
+    monkeypatch.setattr(runner.compiled, "forward", both)
+    _generate(llm, prompts_for(tokenizer, 3), [None, "lora-a", "icarus-a"], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(pairs) >= 5  # the decode steps
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))  # measured: up to 3%
+
+
 def test_when_it_is_chosen(monkeypatch):
-    cpu, torch_kernels = torch.device("cpu"), Kernels("torch")
+    cpu, torch_kernels, int8 = torch.device("cpu"), Kernels("torch"), Kernels("int8")
     monkeypatch.setenv("KVSHARE_COMPILE", "auto")
     assert compile_wanted("auto", cpu, torch.float32, torch_kernels)
+    monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: False)
     assert not compile_wanted("auto", cpu, torch.bfloat16, torch_kernels)
-    assert not compile_wanted("auto", cpu, torch.float32, Kernels("int8"))
+    assert not compile_wanted("auto", cpu, torch.bfloat16, int8)
+    monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: True)  # bfloat16 instructions
+    assert compile_wanted("auto", cpu, torch.bfloat16, torch_kernels)
+    assert compile_wanted("auto", cpu, torch.bfloat16, int8)
+    assert not compile_wanted("auto", cpu, torch.float32, int8)  # float32 activations dequantise per call
     assert not compile_wanted("off", cpu, torch.float32, torch_kernels)
     monkeypatch.setenv("KVSHARE_COMPILE", "off")
     assert not compile_wanted("auto", cpu, torch.float32, torch_kernels)
     assert compile_wanted("on", cpu, torch.float32, torch_kernels)
-    with pytest.raises(KvshareError, match="linear backend"):
-        compile_wanted("on", cpu, torch.float32, Kernels("int8"))
+    assert compile_wanted("on", cpu, torch.bfloat16, int8)
+    with pytest.raises(KvshareError, match="bfloat16 activations"):
+        compile_wanted("on", cpu, torch.float32, int8)
+    if "onednn" in backends("linear"):
+        with pytest.raises(KvshareError, match="linear backend"):
+            compile_wanted("on", cpu, torch.float32, Kernels({"linear": "onednn"}))
     monkeypatch.setenv("KVSHARE_COMPILE", "0")
     with pytest.raises(KvshareError, match="KVSHARE_COMPILE must be"):
         compile_wanted("auto", cpu, torch.float32, torch_kernels)
