@@ -79,7 +79,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run steps of up to 16 rows through torch.compile (Inductor, weights packed; each "
                    "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "
-                   "float32 with the torch kernels (default auto)")
+                   "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
+                   "bfloat16 instructions (default auto)")
     g.add_argument("--eviction-policy", choices=["lru", "step"], default="lru",
                    help="which idle cached KV goes first: lru, or step (KVFlow: agents due last go first)")
     g.add_argument("--host-cache-tokens", type=int, default=0,

@@ -94,7 +94,7 @@ def _merge(results: dict, figures: dict, column: str | None) -> None:
             results[key] = dict(mine) if key == "icarus_step_ratio" else (
                 mine if key == "compile_s" else dict(value))
         elif key == "compile_s":
-            results[f"compile_s[{column}]"] = mine
+            results[f"compile_s[{column.removeprefix('kvshare[').removesuffix(']')}]"] = mine
         else:
             results.setdefault(key, {})[column] = mine
 
