@@ -140,10 +140,14 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
         if value < 1:
             raise KvshareError(f"{name.replace('_', '-')} must be at least 1")
     model_dir = setup(model, threads)
-    kinds = ["torch", "int8"] + (["onednn"] if "onednn" in backends("linear") else [])
+    # quality is always measured against float32: in another dtype a float32 engine joins as the reference
+    reference = "torch" if dtype == "float32" else "float32"
+    kinds = (["float32"] if reference == "float32" else []) + ["torch", "int8"] + (
+        ["onednn"] if "onednn" in backends("linear") and dtype == "float32" else [])
     kv = max(prefill_tokens, 256) + 16 * (64 + new_tokens) + prompts * (160 + new_tokens) + 1024
     engines = {k: LLM(model_dir, kv_cache_tokens=kv, max_num_batched_tokens=max(prefill_tokens, 512),
-                      dtype=dtype, kernels=k) for k in kinds}
+                      dtype="float32" if k == "float32" else dtype, kernels="torch" if k == "float32" else k)
+               for k in kinds}
     tokenizer = engines["torch"].engine.tokenizer
     questions, texts = _hotpotqa(prompts, paragraphs, tokenizer)
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
@@ -152,23 +156,23 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
     texts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     if not texts:
         raise KvshareError("no HotpotQA paragraph long enough to score after the greedy questions")
-    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "backends": kinds,
+    results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "backends": kinds, "reference": reference,
                      "torch_version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                      "cpu_flags": _cpu_flags(), "machine": platform.processor() or platform.machine(),
                      "prompts": len(chats), "new_tokens": new_tokens,
                      "perplexity_paragraphs": len(texts), "perplexity_tokens": sum(len(t) - 1 for t in texts)}
     steps = tqdm(total=5, desc="bench quant", unit="figure")
 
-    ref = _greedy(engines["torch"], chats, new_tokens)
+    ref = _greedy(engines[reference], chats, new_tokens)
     results["greedy"] = {}
-    for kind in kinds[1:]:
+    for kind in (k for k in kinds if k != reference):
         agreement = _agreement(ref, _greedy(engines[kind], chats, new_tokens))
         agreement["teacher_forced_top1"] = _teacher_forced_top1(engines[kind], chats, ref)
         results["greedy"][kind] = agreement
     steps.update()
     results["perplexity"] = {k: _perplexity(engines[k], texts) for k in kinds}
     steps.update()
-    results["weight_bytes"] = {k: _weight_bytes(engines[k]) for k in ("torch", "int8")}
+    results["weight_bytes"] = {k: _weight_bytes(engines[k]) for k in kinds if k in ("float32", "torch", "int8")}
     speed = {k: {} for k in kinds}
     short = filler_prompt(tokenizer, 32)
     batch = [filler_prompt(tokenizer, 32 + i)[-32:] for i in range(16)]
@@ -196,6 +200,8 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
 
 def markdown(results: dict) -> str:
     kinds = results["backends"]
+    ref = results.get("reference", "torch")
+    others = [k for k in kinds if k != ref]
     speed, ppl = results["speed"], results["perplexity"]
     head = f"| figure | {' | '.join(_label(k, results['dtype']) for k in kinds)} |"
     lines = [f"{results['model']}, {results['threads']} threads, torch {results['torch_version']}, "
@@ -205,23 +211,23 @@ def markdown(results: dict) -> str:
     for key in speed[kinds[0]]:
         name = {"decode_b1": "decode tok/s, batch 1", "decode_b16": "decode tok/s, batch 16"}.get(
             key, f"prefill tok/s, {key.split('_')[1]} tokens")
-        base = speed["torch"][key]
-        row(name, [f"{speed[k][key]:.1f}" + ("" if k == "torch" else f" ({speed[k][key] / base:.2f}x)") for k in kinds])
+        base = speed[ref][key]
+        row(name, [f"{speed[k][key]:.1f}" + ("" if k == ref else f" ({speed[k][key] / base:.2f}x)") for k in kinds])
     w = results["weight_bytes"]
     row("weight MiB (embedding + head + projections)",
-        [f"{w[k] / 2**20:.0f}" + ("" if k == "torch" else f" ({w[k] / w['torch']:.2f}x)") if k in w else "as torch"
+        [f"{w[k] / 2**20:.0f}" + ("" if k == ref else f" ({w[k] / w[ref]:.2f}x)") if k in w else "as torch"
          for k in kinds])
     row(f"perplexity, {results['perplexity_paragraphs']} HotpotQA paragraphs ({results['perplexity_tokens']} tokens)",
         [f"{ppl[k]:.3f}" for k in kinds])
     g = results["greedy"]
     n, new = results["prompts"], results["new_tokens"]
-    row(f"greedy vs float32 torch: identical tokens ({n} prompts x {new})",
-        ["(reference)"] + [f"{g[k]['identical_tokens']:.1%}" for k in kinds[1:]])
-    row("greedy: prompts identical to the end", ["(reference)"] + [f"{g[k]['identical_prompts']:.0%}" for k in kinds[1:]])
-    row("greedy: first divergence, median position (of diverging prompts)",
-        ["(reference)"] + [_median_divergence(g[k]["first_divergence"], new) for k in kinds[1:]])
-    row("teacher-forced top-1 = float32 greedy token",
-        ["(reference)"] + [f"{g[k]['teacher_forced_top1']:.1%}" for k in kinds[1:]])
+    def quality(label, cell):
+        row(label, ["(reference)" if k == ref else cell(g[k]) for k in kinds])
+    quality(f"greedy vs float32 torch: identical tokens ({n} prompts x {new})", lambda q: f"{q['identical_tokens']:.1%}")
+    quality("greedy: prompts identical to the end", lambda q: f"{q['identical_prompts']:.0%}")
+    quality("greedy: first divergence, median position (of diverging prompts)",
+            lambda q: _median_divergence(q["first_divergence"], new))
+    quality("teacher-forced top-1 = float32 greedy token", lambda q: f"{q['teacher_forced_top1']:.1%}")
     k = results["kernel_timings"]
     lines += ["", f"One projection ({k['shape'][0]}x{k['shape'][1]}, the gate/up matmul), microseconds per call:", "",
               "| activations | rows | F.linear (float) | _weight_int8pack_mm | dequantise + F.linear | int8 backend uses |",
@@ -233,7 +239,8 @@ def markdown(results: dict) -> str:
 
 
 def _label(kind: str, dtype: str) -> str:
-    return {"torch": f"torch ({dtype})", "int8": f"int8 weights ({dtype} activations)",
+    return {"float32": "torch (float32, the reference)", "torch": f"torch ({dtype})",
+            "int8": f"int8 weights ({dtype} activations)",
             "onednn": f"onednn ({dtype})"}.get(kind, kind)
 
 
