@@ -132,6 +132,24 @@ def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models,
     assert results["decode_b1"]["kvshare"] > 0 and results["icarus_step_ratio"]["ratio"] > 0
 
 
+def test_engine_benchmark_measures_several_backends_in_one_run(tiny_models, tmp_path):
+    """--kernels torch int8: an engine each, beside the same transformers model; the first keeps
+    the single-backend keys, the second gets its own column (figures printed, not asserted)."""
+    from kvshare.eval.perf.engine import run_engine_bench
+
+    results = run_engine_bench(model=str(tiny_models("llama")), new_tokens=4, out_dir=tmp_path, quick=True,
+                               kernels=["torch", "int8"], threads=1)
+    assert results["backends"] == ["torch", "int8"]
+    for key in ("decode_b1", "decode_b16", "prefill_128", "prefill_256"):
+        assert set(results[key]) == {"kvshare", "hf", "kvshare[int8]"}
+        assert results[key]["kvshare[int8]"] > 0
+    assert results["icarus_step_ratio"]["kvshare[int8]"]["ratio"] > 0
+    header = (tmp_path / "engine_bench.md").read_text().splitlines()[0]
+    assert "torch kernels" in header and "| kvshare[int8] | int8/HF |" in header
+    with pytest.raises(KvshareError, match="distinct"):
+        run_engine_bench(model=str(tiny_models("llama")), kernels=["torch", "torch"])
+
+
 def test_capacity_in_tokens_or_bytes(base):
     by_tokens = LLM(base, kv_cache_tokens=640, block_size=16).engine
     per_token = by_tokens.kv_bytes_per_token
