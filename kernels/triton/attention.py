@@ -88,7 +88,8 @@ def _paged_attention_kernel(
             total = total * keep + tl.sum(probs, axis=1)
             best = new_best
         if SPLIT:  # partials of (row, head, split), merged by _merge_splits_kernel
-            part = (rows * (GROUP * tl.num_programs(2) // num_splits) + heads) * num_splits + split
+            n_q = GROUP * (tl.num_programs(2) // num_splits)  # query heads: GROUP per KV head
+            part = (rows * n_q + heads) * num_splits + split
             tl.store(part_best_ptr + part, best, mask=line_ok)
             tl.store(part_total_ptr + part, total, mask=line_ok)
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
