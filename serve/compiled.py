@@ -116,8 +116,8 @@ class _Decoder(torch.nn.Module):
         super().__init__()
         self.model = model
         self.adapted = adapted  # this graph calls the LoRA op (steps with adapters) or not
-        self.embed, self.final_norm = self._weight("embed", model.embed), self._weight("final_norm", model.final_norm)
-        self.lm_head = self._weight("lm_head", model.lm_head)
+        for name in ("embed", "final_norm", "lm_head"):
+            self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
         for i, layer in enumerate(model.layers):
             names = tuple(key for key in _LAYER_KEYS if layer[key] is not None)
@@ -125,8 +125,8 @@ class _Decoder(torch.nn.Module):
                 self._weight(f"l{i}_{key}", layer[key])
             self.present.append(names)
 
-    def _weight(self, name: str, value):
-        """Register ``value`` (same storage) as parameter(s) ``name``; return what ``_linear`` takes."""
+    def _weight(self, name: str, value) -> None:
+        """Register ``value`` (same storage) as parameter ``name``, or an int8 weight as two."""
         param = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
         if isinstance(value, Int8Weight):
             if not value.packed_kernel:
@@ -134,11 +134,11 @@ class _Decoder(torch.nn.Module):
                                    "multiple of 16; run this one with --compile off")
             setattr(self, f"{name}_q", param(value.q))
             setattr(self, f"{name}_scale", param(value.scale))
-            return None
-        setattr(self, name, param(value))
-        return getattr(self, name)
+        else:
+            setattr(self, name, param(value))
 
     def _param(self, name: str):
+        """What ``_linear`` takes for weight ``name``: the parameter, or an int8 (q, scale) pair."""
         if hasattr(self, f"{name}_q"):
             return getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
         return getattr(self, name)
