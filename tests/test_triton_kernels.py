@@ -106,24 +106,17 @@ def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_keys_are_split_only_while_the_grid_leaves_the_gpu_idle():
+def test_keys_are_split_only_while_the_grid_leaves_the_gpu_idle(monkeypatch):
     import kvshare.kernels.triton.attention as attention
 
     gpu, sms = torch.device("cuda", 0), 132
-    saved = attention._SMS.get(0)
-    attention._SMS[0] = sms  # an H100's count, without asking a device
-    try:
-        key_splits = attention.key_splits
-        assert key_splits(3, 4096, gpu) == 16  # one sequence, 3 KV heads: 264 / 3 programs, 4096 / 256 keys
-        assert key_splits(3, 1024, gpu) == 4  # no split shorter than 256 keys
-        assert key_splits(3, 300, gpu) == 1  # too short to split
-        assert key_splits(2 * sms, 4096, gpu) == 1  # the grid fills the GPU
-        assert key_splits(100, 4096, gpu) == 3
-    finally:
-        if saved is None:
-            attention._SMS.pop(0)
-        else:
-            attention._SMS[0] = saved
+    monkeypatch.setitem(attention._SMS, 0, sms)  # an H100's count, without asking a device
+    key_splits = attention.key_splits
+    assert key_splits(3, 4096, gpu) == 16  # one sequence, 3 KV heads: 264 / 3 programs, 4096 / 256 keys
+    assert key_splits(3, 1024, gpu) == 4  # no split shorter than 256 keys
+    assert key_splits(3, 300, gpu) == 1  # too short to split
+    assert key_splits(2 * sms, 4096, gpu) == 1  # the grid fills the GPU
+    assert key_splits(100, 4096, gpu) == 3
 
 
 def test_attention_reads_a_strided_layer_of_the_engine_cache():
