@@ -28,6 +28,13 @@ from kvshare.eval.perf.peers import (LLAMACPP_PROBE, PROBE, VLLMServer, ensure_l
 from conftest import assert_one_line_error
 
 
+
+def _assert_named_log_kept(result, text: str) -> None:
+    """The log a probe's error names is kept and holds ``text``; the test removes it."""
+    log = Path(result.err.rsplit("(log: ", 1)[1].split(")")[0])
+    assert text in log.read_text()
+    shutil.rmtree(log.parent)
+
 def test_vllm_serve_command_enables_prefix_caching_and_each_lora(tmp_path):
     adapters = {"vllm-lora-0": tmp_path / "a0", "vllm-lora-1": tmp_path / "a1"}
     command = vllm_serve_command(tmp_path / "venv", tmp_path / "model", adapters, 8123, "float32", 4096)
@@ -199,9 +206,7 @@ def test_a_failing_vllm_probe_is_one_clear_error(tmp_path, tiny_models, cli):
     result = cli("bench", "engine", "--model", tiny_models("llama"), "--quick", "--new-tokens", "4", "--threads", "1",
                  "--peer", "vllm", "--peer-venv", venv)
     assert_one_line_error(result, "vLLM engine probe exited with 2", "no CPU kernel")
-    log = Path(result.err.rsplit("(log: ", 1)[1].split(")")[0])
-    assert "RuntimeError: no CPU kernel" in log.read_text()  # the log it names is kept
-    shutil.rmtree(log.parent)
+    _assert_named_log_kept(result, "RuntimeError: no CPU kernel")
 
 
 def test_engine_bench_peer_needs_its_venv_and_the_cpu(tmp_path, tiny_models, cli):
@@ -389,9 +394,7 @@ def test_a_failing_llamacpp_probe_is_one_clear_error(tmp_path, tiny_models, cli,
     result = cli("bench", "engine", "--model", tiny_models("llama"), "--quick", "--new-tokens", "4", "--threads", "1",
                  "--peer", "llamacpp", "--peer-venv", venv)
     assert_one_line_error(result, "llama.cpp engine probe exited with 1", "bad magic")
-    log = Path(result.err.rsplit("(log: ", 1)[1].split(")")[0])
-    assert "bad magic" in log.read_text()  # the log it names is kept
-    shutil.rmtree(log.parent)
+    _assert_named_log_kept(result, "bad magic")
 
 
 def test_llama_cpp_is_an_extra_pinned_to_the_peer_version_and_not_built_in_ci():
