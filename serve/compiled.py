@@ -9,7 +9,8 @@ a 30-layer stack of SmolLM2's projections: 2.4x at one row, 3.3x at two rows.
 
 What torch.compile cannot trace stays eager, behind two opaque custom ops that read the
 step's structure from a thread-local context: writing KV and paged attention (a flat
-batch of many sequences, with host-side lists), and the multi-adapter LoRA deltas
+batch of many sequences, with host-side lists; what every layer shares is worked out once
+per step, :mod:`kvshare.kernels.step_attention`), and the multi-adapter LoRA deltas
 (adapters come and go at run time, so they are never baked into the graph). The graph
 has static shapes: a step's rows are padded up to a bucket (1, 2, 4, 8 or 16 rows); pad
 rows run the dense math on token 0 and are never written to the cache nor read back.
@@ -37,6 +38,7 @@ from ..errors import KvshareError
 from ..hardware import cpu_has_fast_bf16
 from ..kernels import build_attention_metadata
 from ..kernels.quant import Int8Weight
+from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .batch import Batch
 from .model import Model, _rms_norm
@@ -56,16 +58,24 @@ _step = threading.local()  # the running step's context, read by the opaque ops
 
 
 class _StepContext:
-    __slots__ = ("model", "kv_cache", "batch", "lora", "rows")
+    __slots__ = ("model", "kv_cache", "batch", "lora", "rows", "layer_rows", "attention")
 
-    def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, lora, rows: int):
+    def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, lora, rows: int,
+                 layer_rows: list[tuple[torch.Tensor, torch.Tensor]], ratio: int):
         self.model, self.kv_cache, self.batch, self.lora, self.rows = model, kv_cache, batch, lora, rows
+        self.layer_rows = layer_rows
+        # the torch kernels' work shared by every layer, done once (another backend gets the step as it is)
+        torch_kernels = model.kernels.choice["paged_attention"] == model.kernels.choice["write_kv"] == "torch"
+        self.attention = StepAttention(batch.attention, rows, ratio) if torch_kernels else None
 
 
 @torch.library.custom_op("kvshare::step_attention", mutates_args=())
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Write the real rows' K/V of ``layer`` and attend over the paged cache (eager kernels)."""
     s = _step.context
+    if s.attention is not None:
+        k_rows, v_rows = s.layer_rows[layer]
+        return s.attention(q, k, v, k_rows, v_rows, s.model.scale)
     model, meta, n = s.model, s.batch.attention, s.rows
     k_cache, v_cache = s.kv_cache[:, layer, 0], s.kv_cache[:, layer, 1]
     kernels = model.kernels
@@ -214,6 +224,7 @@ class CompiledStep:
             adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
                                    options=INDUCTOR_OPTIONS) for adapted in (False, True)}
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
+        self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
         self.steps = 0  # steps run compiled
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
 
@@ -235,7 +246,7 @@ class CompiledStep:
             pad = size - rows
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        logits = self._run(size, adapted, tokens, positions, _StepContext(self.model, kv_cache, batch, lora, rows))
+        logits = self._run(size, adapted, tokens, positions, self._context(kv_cache, batch, lora, rows))
         self.steps += 1
         return logits.index_select(0, batch.logit_rows)
 
@@ -272,4 +283,10 @@ class CompiledStep:
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
             tokens, positions = (torch.zeros(size, dtype=torch.long, device=kv_cache.device) for _ in range(2))
             batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
-            self._run(size, a, tokens, positions, _StepContext(self.model, kv_cache, batch, lambda *_: [], 0))
+            self._run(size, a, tokens, positions, self._context(kv_cache, batch, lambda *_: [], 0))
+
+    def _context(self, kv_cache: torch.Tensor, batch: Batch, lora, rows: int) -> _StepContext:
+        if self._layer_rows[0] is not kv_cache:  # the views are the same every step: made once per KV memory
+            self._layer_rows = (kv_cache, *layer_rows(kv_cache))
+        _, views, ratio = self._layer_rows
+        return _StepContext(self.model, kv_cache, batch, lora, rows, views, ratio)
