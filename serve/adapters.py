@@ -81,6 +81,7 @@ class AdapterSet:
         self._residual: dict[int, ResidualStack] = {}
         self.residual_rank = 0  # the residual pool's width: ForkKV adapters may have at most this rank
         self.default_kv_layout = "exact"  # the layout of lora adapters loaded without one
+        self.version = 0  # counts loads and unloads: what caches of the slots compare against
 
     def load(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
         """Load an exported adapter under ``name``; ``kv_layout="forkkv"`` serves a lora
@@ -120,6 +121,7 @@ class AdapterSet:
         else:
             self.slots[slot] = adapter
         self.by_name[name] = slot
+        self.version += 1
         self._lookup.clear()
         self._residual.clear()
         return name
@@ -128,6 +130,7 @@ class AdapterSet:
         slot = self.get_slot(name)
         self.slots[slot] = None
         del self.by_name[name]
+        self.version += 1
         self._lookup.clear()
         self._residual.clear()
 

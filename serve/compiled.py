@@ -7,16 +7,16 @@ micro-kernel streams, and fuses the small per-layer ops (RMSNorm, RoPE, SiLU * u
 residual adds) into a few loops; the Python cost of 30 layers' ops goes too. Measured on
 a 30-layer stack of SmolLM2's projections: 2.4x at one row, 3.3x at two rows.
 
-What torch.compile cannot trace stays eager, behind two opaque custom ops that read the
-step's structure from a thread-local context: writing KV and paged attention (a flat
-batch of many sequences, with host-side lists; what every layer shares is worked out once
-per step, :mod:`kvshare.kernels.step_attention`), and the multi-adapter LoRA deltas
-(adapters come and go at run time, so they are never baked into the graph). The graph
-has static shapes: a step's rows are padded up to a bucket (1, 2, 4, 8 or 16 rows); pad
-rows run the dense math on token 0 and are never written to the cache nor read back.
-Larger steps (prefill chunks, compute-bound) and anything unusual (ForkKV rows, a
-layer-streaming cache, hidden-state capture, a non-torch linear backend) run the eager
-forward. Inductor's on-disk caches live under ``$KVSHARE_HOME/compile`` (unless
+What torch.compile cannot trace stays eager, behind an opaque custom op that reads the
+step's structure from a thread-local context: writing KV and paged attention (a flat batch
+of many sequences, with host-side lists; what every layer shares is worked out once per
+step, :mod:`kvshare.kernels.step_attention`). The adapters' LoRA deltas run inside the
+graph, from slot stacks that are graph inputs (:mod:`.lora_slots`): adapters come and go at
+run time without a recompile. The graph has static shapes: a step's rows are padded up to
+a bucket (1, 2, 4, 8 or 16 rows); pad rows run the dense math on token 0 and are never
+written to the cache nor read back. Larger steps (prefill chunks, compute-bound) and
+anything unusual (ForkKV rows, a layer-streaming cache, hidden-state capture, a non-torch
+linear backend, an adapter outside the slot stacks) run the eager forward. Inductor's on-disk caches live under ``$KVSHARE_HOME/compile`` (unless
 ``TORCHINDUCTOR_CACHE_DIR`` is set): its C++ kernels and autotuning choices are reused by
 later processes, but Inductor does not cache a graph whose
 frozen weights it packed for oneDNN (``mkldnn tensors unpickleable`` in its codecache), so
@@ -40,7 +40,9 @@ from ..kernels import build_attention_metadata
 from ..kernels.quant import Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
+from .adapters import AdapterSet
 from .batch import Batch
+from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,11 @@ _step = threading.local()  # the running step's context, read by the opaque ops
 
 
 class _StepContext:
-    __slots__ = ("model", "kv_cache", "batch", "lora", "rows", "layer_rows", "attention")
+    __slots__ = ("model", "kv_cache", "batch", "rows", "layer_rows", "attention")
 
-    def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, lora, rows: int,
+    def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, rows: int,
                  layer_rows: list[tuple[torch.Tensor, torch.Tensor]], ratio: int):
-        self.model, self.kv_cache, self.batch, self.lora, self.rows = model, kv_cache, batch, lora, rows
+        self.model, self.kv_cache, self.batch, self.rows = model, kv_cache, batch, rows
         self.layer_rows = layer_rows
         # the torch kernels' work shared by every layer, done once (another backend gets the step as it is)
         torch_kernels = model.kernels.choice["paged_attention"] == model.kernels.choice["write_kv"] == "torch"
@@ -91,21 +93,6 @@ def _(q, k, v, layer):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("kvshare::step_lora", mutates_args=())
-def step_lora(x: torch.Tensor, y: torch.Tensor, layer: int, fused: str) -> torch.Tensor:
-    """``y`` plus each real row's adapter delta for one fused projection (eager kernel)."""
-    s = _step.context
-    model, n = s.model, s.rows
-    out = y.clone()
-    out[:n] = model.kernels.gathered_lora(x[:n], y[:n], s.batch.lora_groups, s.lora(layer, model.fused[fused]))
-    return out
-
-
-@step_lora.register_fake
-def _(x, y, layer, fused):
-    return torch.empty_like(y)
-
-
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, or for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
     which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
@@ -125,7 +112,7 @@ class _Decoder(torch.nn.Module):
     def __init__(self, model: Model, adapted: bool):
         super().__init__()
         self.model = model
-        self.adapted = adapted  # this graph calls the LoRA op (steps with adapters) or not
+        self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         for name in ("embed", "final_norm", "lm_head"):
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -165,10 +152,20 @@ class _Decoder(torch.nn.Module):
         h = m.decoder(h, cos, sin, self._layers(), _linear, attend, adapt)
         return _linear(_rms_norm(h, self.final_norm, m.eps), self._param("lm_head")).float()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.adapted:
-            return self._run(tokens, positions, lambda i, fused, x, y: torch.ops.kvshare.step_lora(x, y, i, fused))
-        return self._run(tokens, positions, lambda i, fused, x, y: y)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *lora: torch.Tensor) -> torch.Tensor:
+        """``lora`` (the graph with adapters): each row's slot and scale, then the slot stacks
+        (:meth:`LoraSlots.inputs`)."""
+        if not self.adapted:
+            return self._run(tokens, positions, lambda i, fused, x, y: y)
+        index, scale, *stacks = lora
+        weights = dict(zip(PARTS, zip(stacks[0::2], stacks[1::2])))
+
+        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale)
+                      for name, _ in self.model.fused[fused]]
+            return y + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
+
+        return self._run(tokens, positions, adapt)
 
 
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
@@ -204,7 +201,7 @@ class CompiledStep:
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
     first use in each process (or ahead, by :meth:`warm_up`)."""
 
-    def __init__(self, model: Model, max_rows: int = BUCKETS[-1]):
+    def __init__(self, model: Model, max_rows: int = BUCKETS[-1], max_loras: int = 8, max_lora_rank: int = 64):
         import torch._dynamo
         import torch._inductor.config
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -224,6 +221,7 @@ class CompiledStep:
             adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
                                    options=INDUCTOR_OPTIONS) for adapted in (False, True)}
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
+        self.lora = LoraSlots(model, max_loras, max_lora_rank)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
         self.steps = 0  # steps run compiled
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
@@ -231,30 +229,40 @@ class CompiledStep:
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def handles(self, batch: Batch, kv_cache, hidden_capture) -> bool:
-        return (batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
-                and self.bucket(len(batch.tokens)) is not None)
+    def handles(self, batch: Batch, kv_cache, hidden_capture, adapters: AdapterSet) -> bool:
+        if not (batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
+                and self.bucket(len(batch.tokens)) is not None):
+            return False
+        if not batch.lora_groups:
+            return True
+        if self.lora.sync(adapters):  # new stacks: the graphs with adapters compile again
+            self.traced = {key for key in self.traced if not key[1]}
+        return self.lora.serves(slot for slot, _ in batch.lora_groups)
 
     @torch.no_grad()
-    def forward(self, batch: Batch, kv_cache: torch.Tensor, lora) -> torch.Tensor:
-        """Float32 logits of the batch's logit rows, as :meth:`Model.forward` gives them."""
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the batch's logit rows, as :meth:`Model.forward` gives them (for a
+        batch :meth:`handles`)."""
         rows = len(batch.tokens)
         size = self.bucket(rows)
-        adapted = bool(batch.lora_groups)
         tokens, positions = batch.tokens, batch.attention.positions
         if size > rows:
             pad = size - rows
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
-        logits = self._run(size, adapted, tokens, positions, self._context(kv_cache, batch, lora, rows))
+        lora = ()
+        if batch.lora_groups:
+            lora = (*self.lora.row_inputs(batch.lora_groups, size, tokens.device), *self.lora.inputs())
+        logits = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows))
         self.steps += 1
         return logits.index_select(0, batch.logit_rows)
 
     @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
-    def _run(self, size: int, adapted: bool, tokens: torch.Tensor, positions: torch.Tensor,
+    def _run(self, size: int, tokens: torch.Tensor, positions: torch.Tensor, lora: tuple[torch.Tensor, ...],
              context: _StepContext) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
+        adapted = bool(lora)
         first = (size, adapted) not in self.traced
         if first:
             log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute, once per process)",
@@ -266,7 +274,7 @@ class CompiledStep:
             # freezing is read where torch.compile's options are not; set on every call, so that
             # any recompile freezes too
             with torch._inductor.config.patch(freezing=True):
-                return self._graphs[adapted](tokens, positions)
+                return self._graphs[adapted](tokens, positions, *lora)
         finally:
             _step.context = None
             if not first and counters["stats"]["unique_graphs"] != graphs:
@@ -276,17 +284,22 @@ class CompiledStep:
     def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False) -> None:
         """Compile the given buckets now (default: all), the graph for steps without adapters or
         (``adapted``) with, so that no request waits for a compile. The warm-up step has no real
-        rows: nothing is written or read."""
+        rows: nothing is written or read. The graph with adapters is compiled for slot stacks of
+        the current rank (at least the smallest): adapters of a higher rank compile it again."""
         empty = build_attention_metadata([], [], [], [], 1, kv_cache.device)
-        todo = [(size, adapted) for size in (sizes or self.buckets) if (size, adapted) not in self.traced]
-        for size, a in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
+        todo = [size for size in (sizes or self.buckets) if (size, adapted) not in self.traced]
+        if adapted and todo and self.lora.allocate():
+            self.traced = {key for key in self.traced if not key[1]}
+        device = kv_cache.device
+        for size in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
-            tokens, positions = (torch.zeros(size, dtype=torch.long, device=kv_cache.device) for _ in range(2))
+            tokens, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
             batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
-            self._run(size, a, tokens, positions, self._context(kv_cache, batch, lambda *_: [], 0))
+            lora = (*self.lora.row_inputs([], size, device), *self.lora.inputs()) if adapted else ()
+            self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0))
 
-    def _context(self, kv_cache: torch.Tensor, batch: Batch, lora, rows: int) -> _StepContext:
+    def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int) -> _StepContext:
         if self._layer_rows[0] is not kv_cache:  # the views are the same every step: made once per KV memory
             self._layer_rows = (kv_cache, *layer_rows(kv_cache))
         _, views, ratio = self._layer_rows
-        return _StepContext(self.model, kv_cache, batch, lora, rows, views, ratio)
+        return _StepContext(self.model, kv_cache, batch, rows, views, ratio)

@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "torch"  # kernel backend for every operation
     compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
+    max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
+    max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
     host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
@@ -38,7 +40,7 @@ class EngineConfig:
     stream_bandwidth_gbps: float = 16.0  # the simulated link to lent memory on CPU
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise KvshareError(f"{name} must be at least 1")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
@@ -81,6 +83,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "
                    "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
                    "bfloat16 instructions (default auto)")
+    g.add_argument("--max-loras", type=int, default=8,
+                   help="adapter slots the compiled step holds in its LoRA stacks (default 8); steps with "
+                   "adapters past them run eager")
+    g.add_argument("--max-lora-rank", type=int, default=64,
+                   help="largest adapter rank those stacks take (default 64); higher ranks run eager")
     g.add_argument("--eviction-policy", choices=["lru", "step"], default="lru",
                    help="which idle cached KV goes first: lru, or step (KVFlow: agents due last go first)")
     g.add_argument("--host-cache-tokens", type=int, default=0,
@@ -102,7 +109,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        kernels=args.kernels, compile=args.compile, eviction_policy=args.eviction_policy,
+                        kernels=args.kernels, compile=args.compile, max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
                         prefetch_steps=args.prefetch_steps, kv_layout=args.kv_layout,
                         forkkv_max_rank=args.forkkv_max_rank, forkkv_residual_tokens=args.forkkv_residual_tokens)

@@ -39,10 +39,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
                  kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
-                 kernels: Kernels, compile_mode: str = "off", max_step_rows: int = BUCKETS[-1]):
+                 kernels: Kernels, compile_mode: str = "off", max_step_rows: int = BUCKETS[-1],
+                 max_loras: int = 8, max_lora_rank: int = 64):
         self.device = device
         self.model = Model(model_dir, dtype, device, kernels)
-        self.compiled = (CompiledStep(self.model, max_step_rows)
+        self.compiled = (CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank)
                          if compile_wanted(compile_mode, device, dtype, kernels) else None)
         self.kernels = kernels
         self.block_size = block_size
@@ -108,8 +109,8 @@ class ModelRunner:
         batch = build_batch(plans, self.block_size, self.device,
                             adapters.residual_index() if self.residual_cache is not None else None)
         kv = self.stream or self.kv_cache
-        if self.compiled is not None and self.compiled.handles(batch, kv, self.model.hidden_capture):
-            logits = self.compiled.forward(batch, kv, adapters.lookup)
+        if self.compiled is not None and self.compiled.handles(batch, kv, self.model.hidden_capture, adapters):
+            logits = self.compiled.forward(batch, kv)
         else:
             logits = self.model.forward(batch, kv, adapters.lookup, self.residual_cache, adapters.residual_stack)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]

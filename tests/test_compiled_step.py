@@ -52,6 +52,7 @@ def test_a_mixed_step_of_every_kind_gives_the_eager_tokens(engines, tokenizer, i
     want = _generate(eager, prompts, names, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert compiled.engine.runner.compiled.steps - before >= 8  # the decode steps ran compiled
+    assert (8, True) in compiled.engine.runner.compiled.traced  # with the adapters' deltas in the graph
     assert eager.engine.runner.compiled is None and compiled.engine.runner.compiled.recompiles == 0
 
 
@@ -114,9 +115,9 @@ def test_int8_weights_in_bfloat16_score_as_the_eager_step(base, adapters, tokeni
     assert isinstance(runner.model.layers[0]["qkv"], Int8Weight)
     step, pairs = runner.compiled.forward, []
 
-    def both(batch, kv_cache, lora):
-        eager = runner.model.forward(batch, kv_cache, lora)  # first: the compiled step's KV writes win
-        compiled = step(batch, kv_cache, lora)
+    def both(batch, kv_cache):
+        eager = runner.model.forward(batch, kv_cache, llm.engine._adapters.lookup)  # first: the compiled step's writes win
+        compiled = step(batch, kv_cache)
         pairs.append((compiled, eager))
         return compiled
 
@@ -169,3 +170,61 @@ def test_warm_up_compiles_ahead_and_steps_reuse_its_graph(engines, tokenizer):
     got, want = (_generate(llm, prompts, [None, None], params) for llm in (compiled, eager))
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert runner.compiled.steps - steps >= 3 and runner.compiled.recompiles == 0
+
+
+def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_path):
+    """The graph's LoRA math (every row reads its own slot of the stacks) against the
+    reference's per-adapter matmuls, for every fused projection of every layer: adapters of
+    two ranks (zero-padded in the stacks), a ForkKV-layout adapter (k/v LoRA kept out of K/V),
+    rows without adapter and a slot past ``max_loras`` (not held: it runs eager)."""
+    from kvshare.kernels.lora import gathered_lora_ref, lora_groups
+    from kvshare.random_adapters import random_adapter
+    from kvshare.serve.adapters import AdapterSet
+    from kvshare.serve.lora_slots import LoraSlots, lora_delta
+    from kvshare.serve.model import Model
+
+    model = Model(base)
+    adapter_set = AdapterSet(base, torch.float32)
+    adapter_set.residual_rank = 64
+    rank_12 = random_adapter("lora", base, tmp_path, "lora-r12", rank=12, seed=9)  # the fixtures' are rank 4
+    for path in (adapters["lora-a"], rank_12, adapters["lora-b"], adapters["alora-a"]):
+        adapter_set.load(path, kv_layout="forkkv" if path == adapters["lora-b"] else None)
+    slots = LoraSlots(model, max_loras=3, max_rank=64)
+    slots.sync(adapter_set)
+    assert slots.resident == {0, 1, 2} and not slots.serves([3]) and slots.rank == 16
+    row_slots = [-1, 0, 2, 1, 0, -1, 2]
+    groups = lora_groups(row_slots)
+    index, scale = slots.row_inputs(groups, len(row_slots) + 1, torch.device("cpu"))  # one pad row
+    gen = torch.Generator().manual_seed(0)
+    stacks = slots.stacks
+    for layer in range(model.n_layers):
+        for fused, parts in model.fused.items():
+            n_in = slots.shapes[parts[0][0]][0]
+            x = torch.randn(len(row_slots) + 1, n_in, generator=gen)
+            y = torch.randn(len(row_slots) + 1, sum(out for _, out in parts), generator=gen)
+            want = gathered_lora_ref(x[:-1], y[:-1], groups, adapter_set.lookup(layer, parts))
+            got = y + torch.cat([lora_delta(x, stacks[name][0][layer], stacks[name][1][layer], index, scale)
+                                 for name, _ in parts], -1)
+            torch.testing.assert_close(got[:-1], want, atol=1e-5, rtol=1e-5)
+            assert torch.equal(got[-1], y[-1]) and torch.equal(got[0], y[0])  # no adapter: exactly y
+
+
+def test_adapters_load_into_the_slots_without_a_recompile(base, adapters, tokenizer):
+    """With one slot: the adapter in it runs compiled, one in a later slot runs eager, and an
+    adapter loaded into the freed slot reuses the graph; every output equals the eager engine's."""
+    compiled = LLM(base, [adapters["icarus-a"], adapters["lora-a"]], compile="on", max_loras=1, **SETTINGS)
+    eager = LLM(base, [adapters["icarus-a"], adapters["lora-a"]], compile="off", **SETTINGS)
+    runner = compiled.engine.runner
+    prompt = prompts_for(tokenizer, 1)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for name in ("icarus-a", "lora-a"):
+        steps = runner.compiled.steps
+        got, want = (_generate(llm, prompt, [name], params)[0].token_ids for llm in (compiled, eager))
+        assert got == want
+        assert (runner.compiled.steps > steps) == (name == "icarus-a")  # slot 0 held, slot 1 not
+    for llm in (compiled, eager):
+        llm.engine.unload_adapter("icarus-a")
+        llm.engine.load_adapter(adapters["icarus-b"])  # into slot 0
+    steps = runner.compiled.steps
+    got, want = (_generate(llm, prompt, ["icarus-b"], params)[0].token_ids for llm in (compiled, eager))
+    assert got == want and runner.compiled.steps > steps and runner.compiled.recompiles == 0

@@ -1,0 +1,141 @@
+"""Resident adapters' LoRA weights in fixed slot stacks: what the compiled CPU step reads.
+
+The compiled step is one graph per batch bucket, and adapters come and go at run time, so
+their weights cannot be frozen into it; called from the graph one adapter at a time
+(an opaque op per projection, 210 calls per step for SmolLM2) their deltas cost as much as
+the rest of an ICaRus paired step. vLLM's layout instead: per projection one stack of A
+``(layers, max_loras, rank, in)`` and one of B, stored transposed ``(layers, max_loras,
+rank, out)``, zero-padded to the stacks' rank (zeros add exact zeros), handed to the graph
+as inputs. Each row picks its slot's weights by index, so every row of a step, with any mix
+of adapters, is one fused reduction per projection inside the graph; a row without adapter
+takes slot 0 with scale 0. Loading or unloading an adapter rewrites slots in place: the
+graph stays, unless the stacks' rank has to grow (the next power of two of the largest rank,
+at least 8, at most ``max_rank``). Adapters past ``max_loras`` slots or ``max_rank`` run on
+the eager step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .adapters import AdapterSet, LoadedAdapter
+
+log = logging.getLogger(__name__)
+
+PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MIN_RANK = 8
+
+
+def _stack_rank(rank: int, max_rank: int) -> int:
+    size = MIN_RANK
+    while size < rank:
+        size *= 2
+    return min(size, max_rank)
+
+
+def _single_scale(adapter: LoadedAdapter) -> float | None:
+    scales = {scale for _, _, scale in adapter.weights.values()}
+    return scales.pop() if len(scales) == 1 else None
+
+
+class LoraSlots:
+    """The stacks of one engine's compiled step, refreshed from its :class:`AdapterSet`."""
+
+    def __init__(self, model, max_loras: int, max_rank: int):
+        self.model = model
+        self.max_loras, self.max_rank = max_loras, max_rank
+        hidden = model.config.hidden_size
+        sizes = dict(part for parts in model.fused.values() for part in parts)  # name -> output size
+        inputs = {"o_proj": model.q_size, "down_proj": model.inter}
+        self.shapes = {name: (inputs.get(name, hidden), sizes[name]) for name in PARTS}
+        self.rank = 0  # the stacks' rank; 0 = not allocated
+        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scales: list[float] = []  # per slot; 0 where the slot is empty or not served here
+        self.resident: set[int] = set()  # slots whose adapter the stacks hold
+        self._version = -1
+
+    def fits(self, adapter: LoadedAdapter | None, slot: int) -> bool:
+        """Whether the stacks serve ``adapter`` in ``slot``."""
+        return (adapter is not None and slot < self.max_loras and adapter.rank <= self.max_rank
+                and _single_scale(adapter) is not None)
+
+    def serves(self, slots) -> bool:
+        """Whether every adapter slot in ``slots`` is in the stacks (after :meth:`sync`)."""
+        return all(slot in self.resident for slot in slots)
+
+    def sync(self, adapters: AdapterSet) -> bool:
+        """Bring the stacks up to the set's adapters; True when they were reallocated (a new
+        rank: the graphs that read them compile again)."""
+        if adapters.version == self._version:
+            return False
+        self._version = adapters.version
+        resident = {slot: a for slot, a in enumerate(adapters.slots) if self.fits(a, slot)}
+        if not resident:
+            self.resident = set()
+            return False
+        grown = self.allocate(max(a.rank for a in resident.values()))
+        self.scales = [0.0] * self.max_loras
+        for slot in range(self.max_loras):
+            self._write(slot, resident.get(slot))
+        self.resident = set(resident)
+        return grown
+
+    def allocate(self, rank: int = MIN_RANK) -> bool:
+        """Stacks of at least ``rank`` (rounded up as the module says); True when (re)allocated."""
+        rank = _stack_rank(rank, self.max_rank)
+        if rank <= self.rank:
+            return False
+        if self.rank:
+            log.warning("kvshare: LoRA slot stacks grow to rank %d: the CPU step's graphs with adapters "
+                        "compile again", rank)
+        m = self.model
+        zeros = lambda *shape: torch.zeros(*shape, dtype=m.dtype, device=m.embed.device)  # noqa: E731
+        self.stacks = {name: (zeros(m.n_layers, self.max_loras, rank, n_in), zeros(m.n_layers, self.max_loras, rank, n_out))
+                       for name, (n_in, n_out) in self.shapes.items()}
+        self.rank = rank
+        self.scales = [0.0] * self.max_loras
+        self.resident = set()
+        self._version = -1  # rewrite every slot at the next sync
+        return True
+
+    def _write(self, slot: int, adapter: LoadedAdapter | None) -> None:
+        # a ForkKV adapter's k/v LoRA goes to its residual pool, never into K/V (as AdapterSet._fuse)
+        skip = ("k_proj", "v_proj") if adapter is not None and adapter.kv_layout == "forkkv" else ()
+        for name, (a_stack, b_stack) in self.stacks.items():
+            a_stack[:, slot].zero_()
+            b_stack[:, slot].zero_()
+            if adapter is None or name in skip:
+                continue
+            for layer in range(self.model.n_layers):
+                entry = adapter.weights.get((layer, name))
+                if entry is not None:
+                    a, b, _ = entry
+                    a_stack[layer, slot, :a.shape[0]] = a
+                    b_stack[layer, slot, :b.shape[1]] = b.T
+        if adapter is not None:
+            self.scales[slot] = _single_scale(adapter)
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The stacks as the graph takes them: A and B of each of :data:`PARTS`, in order."""
+        return [t for name in PARTS for t in self.stacks[name]]
+
+    def row_inputs(self, groups: list[tuple[int, torch.Tensor]], size: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of ``size`` rows' slot and scale (0 and 0.0: no adapter, pad rows)."""
+        index = torch.zeros(size, dtype=torch.long, device=device)
+        scale = torch.zeros(size, dtype=torch.float32, device=device)
+        for slot, rows in groups:
+            index.index_fill_(0, rows, slot)
+            scale.index_fill_(0, rows, self.scales[slot])
+        return index, scale
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, index: torch.Tensor,
+               scale: torch.Tensor) -> torch.Tensor:
+    """Each row's ``scale * (x A^T) B^T`` with its own slot's A ``(slots, r, in)`` and B^T
+    ``(slots, r, out)``: inside a graph, two reductions that read the slots in place."""
+    t = (a[index] * x[:, None, :]).sum(-1)  # (rows, r)
+    delta = (b_t[index] * t[:, :, None]).sum(1)  # (rows, out)
+    return (delta.float() * scale[:, None]).to(x.dtype)
