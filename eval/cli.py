@@ -101,7 +101,8 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         peer_venv=args.peer_venv,
         workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
-        kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
+        kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out,
+        kernels=args.kernels)
     print(markdown(results))
     return 0
 
@@ -275,8 +276,11 @@ def register(sub) -> None:
     _bench_common(p, "write workflow_bench.{json,md} and PNG plots here")
     p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
-    p.add_argument("--modes", nargs="+", choices=["icarus", "alora", "lora", "forkkv", "hf", "vllm-lora", "vllm-base"],
-                   help="default: icarus alora lora hf (with --ray: icarus)")
+    p.add_argument("--modes", nargs="+",
+                   choices=["icarus", "alora", "lora", "forkkv", "base", "hf", "vllm-lora", "vllm-base"],
+                   help="default: icarus alora lora hf (with --ray: icarus); base: every agent on the base "
+                   "model, the ideal sharing bound")
+    p.add_argument("--kernels", default="torch", help="the kvshare engines' kernel backend (e.g. int8)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
     p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
                    "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")

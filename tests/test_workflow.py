@@ -100,15 +100,20 @@ def test_react_against_the_server_with_text_prompts(server, tokenizer):
 
 def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path):
     """Figures are printed, not asserted; what is asserted is what must hold regardless of speed."""
-    from kvshare.eval.perf.workflow import run_workflow_bench
+    from kvshare.eval.perf.workflow import run_workflow_bench, sharing_ratios
 
     results = run_workflow_bench(model=str(tiny_models("llama")), agents=(2,), qps=(50.0,),
-                                 modes=("icarus", "alora", "lora", "hf"), workflows=2, turns=3,
+                                 modes=("icarus", "alora", "lora", "base", "hf"), workflows=2, turns=3,
                                  context_tokens=64, max_tokens=4, out_dir=tmp_path)
     by_mode = {p["mode"]: p for p in results["points"]}
-    assert set(by_mode) == {"icarus", "alora", "lora", "hf"}
+    assert set(by_mode) == {"icarus", "alora", "lora", "base", "hf"}
     assert all(p["calls"] == 6 and p["tokens_per_s"] > 0 for p in by_mode.values())
     assert by_mode["icarus"]["hit_rate"] > by_mode["lora"]["hit_rate"]
+    assert by_mode["base"]["hit_rate"] > by_mode["lora"]["hit_rate"]  # the base shares as ICaRus does
+    [ratios] = sharing_ratios(results["points"])
+    assert ratios["icarus_over_base_tokens_per_s"] == pytest.approx(
+        by_mode["icarus"]["tokens_per_s"] / by_mode["base"]["tokens_per_s"])
+    assert "ICaRus / base tok/s" in (tmp_path / "workflow_bench.md").read_text()
     for name in ("workflow_bench.json", "workflow_bench.md", "p95_vs_qps.png", "throughput_vs_qps.png"):
         assert (tmp_path / name).stat().st_size > 0
 

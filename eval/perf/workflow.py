@@ -9,6 +9,9 @@ token, tokens and cache hits are recorded. Modes:
 - ``lora``: N conventional adapters with per-adapter prefix caching (what vLLM/SGLang do);
 - ``forkkv``: the same conventional adapters served with ForkKV (shared base part, private
   rank-r residual), in the bytes of the ``lora`` pool (base and residual pools together);
+- ``base``: the base model for every agent on the same engine: no adapter at all, so every
+  call shares every token of KV and decodes single rows (the ideal sharing bound ICaRus is
+  measured against);
 - ``hf``: transformers + PEFT, every call recomputed from scratch, one call at a time;
 - ``vllm-lora`` / ``vllm-base`` (``--peer vllm``): vLLM's CPU build serving the same LoRA
   adapters with prefix caching (the paper's baseline), and the base alone for every agent
@@ -60,11 +63,11 @@ def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int
 
 
 def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> tuple[list[Agent], list[Path]]:
-    """N agents of one mode and their adapter folders (``vllm-base``: none, the base serves all;
+    """N agents of one mode and their adapter folders (``base``, ``vllm-base``: none, the base serves all;
     ``hf`` and ``vllm-lora``: conventional LoRA adapters, the same ones ``lora`` gets)."""
     agents, paths = [], []
     for i in range(n):
-        if kind == "vllm-base":
+        if kind in ("base", "vllm-base"):
             agents.append(Agent(f"agent{i}", None, f"You are agent {i}."))
             continue
         text = f"<|im_start|>agent{i}<|im_end|>"
@@ -143,7 +146,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
-                       peer_venv: str | Path | None = None) -> dict:
+                       peer_venv: str | Path | None = None, kernels: str = "torch") -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
@@ -157,7 +160,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     with tempfile.TemporaryDirectory(prefix="kvshare-wf-") as tmp:
         for mode in modes:
             for n in agents:
-                engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=1024,
+                engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=1024, kernels=kernels,
                                    **_pool_settings(mode, n, model_dir, kv_cache_tokens))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
                 team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
@@ -171,6 +174,10 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 else:
                     for path in paths:
                         engine.load_adapter(path)
+                    # a compiled CPU step compiles each bucket on first use: before the clock, not inside a point
+                    engine.warm_up()
+                    if paths:
+                        engine.warm_up(adapters=True)
                     runner = AsyncEngine(engine, max_waiting=10_000)
                     backend = EngineBackend(runner)
                 for rate in qps:
@@ -186,7 +193,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 if runner is not None:
                     runner.shutdown()
     bar.close()
-    results = {"model": str(model), "dtype": dtype, "threads": threads, "workflows_per_point": workflows,
+    results = {"model": str(model), "dtype": dtype, "kernels": kernels, "threads": threads,
+               "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
                "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
                "kv_cache_tokens": kv_cache_tokens, "adapters": "random (rank 8); speed does not depend on values",
@@ -365,7 +373,31 @@ def markdown(results: dict) -> str:
         lines.append(f"| {p['mode']} | {p['agents']} | {p['qps']} | {p['p50_latency_s']:.2f} | {p['p95_latency_s']:.2f} | "
                      f"{p['mean_ttft_s']:.2f} | {p['tokens_per_s']:.1f} | {p['workflows_per_s']:.3f} | {hit} | "
                      f"{p['evictions'] if p['evictions'] is not None else '-'} | {p['peak_kv_blocks'] or '-'} |")
+    ratios = sharing_ratios(results["points"])
+    if ratios:
+        lines += ["", "| agents | QPS | ICaRus / LoRA tok/s | LoRA / ICaRus P95 | ICaRus / base tok/s |", "|---|---|---|---|---|"]
+        fmt = lambda value: f"{value:.2f}x" if value is not None else "-"  # noqa: E731
+        for r in ratios:
+            lines.append(f"| {r['agents']} | {r['qps']} | {fmt(r['icarus_over_lora_tokens_per_s'])} | "
+                         f"{fmt(r['lora_over_icarus_p95'])} | {fmt(r['icarus_over_base_tokens_per_s'])} |")
     return "\n".join(lines) + "\n"
+
+
+def sharing_ratios(points: list[dict]) -> list[dict]:
+    """Per (agents, QPS) with an ``icarus`` point: its throughput over ``lora``'s and over
+    ``base``'s (the ideal sharing bound), and ``lora``'s P95 latency over its own (ICaRus's
+    claim: more throughput, lower tail latency); None where that mode was not run."""
+    by_key = {(p["mode"], p["agents"], p["qps"]): p for p in points}
+    out = []
+    for (mode, agents, qps), icarus in sorted(by_key.items(), key=lambda item: item[0][1:]):
+        if mode != "icarus":
+            continue
+        lora, base = by_key.get(("lora", agents, qps)), by_key.get(("base", agents, qps))
+        out.append({"agents": agents, "qps": qps,
+                    "icarus_over_lora_tokens_per_s": icarus["tokens_per_s"] / lora["tokens_per_s"] if lora else None,
+                    "lora_over_icarus_p95": lora["p95_latency_s"] / icarus["p95_latency_s"] if lora else None,
+                    "icarus_over_base_tokens_per_s": icarus["tokens_per_s"] / base["tokens_per_s"] if base else None})
+    return out
 
 
 def write_report(results: dict, out_dir: Path) -> None:
