@@ -221,7 +221,18 @@ def _engine_figures(llm: LLM, hf, short: list[int], batch: list[list[int]], pref
 
 
 def _kv_bytes(llm: LLM, model_dir: Path, context: list[int]) -> dict:
-    """Peak KV bytes of N ICaRus and N LoRA agents over one context, against one agent."""
+    """Peak KV bytes of N ICaRus and N LoRA agents over one context, against one agent. Bytes
+    do not depend on how a step is computed: these steps run eager, so no graph for 2 to 16
+    rows with adapters is compiled (minutes each) for figures that time nothing."""
+    runner = llm.engine.runner
+    compiled, runner.compiled = runner.compiled, None
+    try:
+        return _kv_bytes_of_agents(llm, model_dir, context)
+    finally:
+        runner.compiled = compiled
+
+
+def _kv_bytes_of_agents(llm: LLM, model_dir: Path, context: list[int]) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
         agents = []
         for i, kind in enumerate(["icarus"] * 8 + ["lora"] * 8):
