@@ -16,11 +16,12 @@ run time without a recompile. The graph has static shapes: a step's rows are pad
 a bucket (1, 2, 4, 8 or 16 rows); pad rows run the dense math on token 0 and are never
 written to the cache nor read back. Larger steps (prefill chunks, compute-bound) and
 anything unusual (ForkKV rows, a layer-streaming cache, hidden-state capture, a non-torch
-linear backend, an adapter outside the slot stacks) run the eager forward. Inductor's on-disk caches live under ``$KVSHARE_HOME/compile`` (unless
-``TORCHINDUCTOR_CACHE_DIR`` is set): its C++ kernels and autotuning choices are reused by
-later processes, but Inductor does not cache a graph whose
-frozen weights it packed for oneDNN (``mkldnn tensors unpickleable`` in its codecache), so
-each process still lowers each bucket it uses (about a minute for SmolLM2 on 2 cores).
+linear backend, an adapter outside the slot stacks) run the eager forward. Inductor's
+on-disk caches live under ``$KVSHARE_HOME/compile`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is
+set): its C++ kernels and autotuning choices are reused by later processes, but Inductor
+does not cache a graph whose frozen weights it packed for oneDNN (``mkldnn tensors
+unpickleable`` in its codecache), so each process still lowers each bucket it uses (about a
+minute for SmolLM2 on 2 cores; two with adapters).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATE
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
-_step = threading.local()  # the running step's context, read by the opaque ops
+_step = threading.local()  # the running step's context, read by the opaque op
 
-# Both ops are declared without mutated arguments: the KV memory they write is not a graph
-# input, and nothing in the graph reads it but the same op of the same layer, after its write.
+# The op is declared without mutated arguments: the KV memory it writes is not a graph input,
+# and nothing in the graph reads it but the same op of the same layer, after its write.
 
 
 class _StepContext:
