@@ -110,6 +110,7 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
     assert all(p["calls"] == 6 and p["tokens_per_s"] > 0 for p in by_mode.values())
     assert by_mode["icarus"]["hit_rate"] > by_mode["lora"]["hit_rate"]
     assert by_mode["base"]["hit_rate"] > by_mode["lora"]["hit_rate"]  # the base shares as ICaRus does
+    assert by_mode["icarus"]["compiled"] is False and "compiled" not in by_mode["hf"]  # the suite runs eager
     [ratios] = sharing_ratios(results["points"])
     assert ratios["icarus_over_base_tokens_per_s"] == pytest.approx(
         by_mode["icarus"]["tokens_per_s"] / by_mode["base"]["tokens_per_s"])

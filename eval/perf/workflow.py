@@ -189,6 +189,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     stats = engine.stats() if runner else {}
                     points.append(_point(mode, n, rate, flows, makespan, stats.get("prefix_hit_rate"),
                                          stats.get("evictions"), peak if runner else None))
+                    if runner is not None:  # the compiled CPU step or the eager one
+                        points[-1]["compiled"] = engine.runner.compiled is not None
                     bar.update()
                 if runner is not None:
                     runner.shutdown()
