@@ -298,6 +298,10 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
     accel.wait_for_everyone()
     accel.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # the ranks leave the process group together rather than in interpreter teardown, where
+        # a two-process CPU run once hung after its last step (CI, gloo)
+        torch.distributed.destroy_process_group()
     return summary
 
 
