@@ -56,7 +56,8 @@ class StepAttention:
                     padded[s, length:] = meta.key_slots[offset]  # a real slot, masked out
                     offset += length
                 index = padded.flatten()
-                keep = torch.arange(longest, device=index.device)[None, :] < torch.tensor(lengths, device=index.device)[:, None]
+                device = index.device
+                keep = torch.arange(longest, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
                 self.mask = keep[:, None, None, :]  # (sequences, 1, 1, keys)
             self.longest = longest
         else:  # the reference's per-sequence calls, each with its mask worked out once

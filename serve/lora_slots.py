@@ -2,7 +2,7 @@
 
 The compiled step is one graph per batch bucket, and adapters come and go at run time, so
 their weights cannot be frozen into it; called from the graph one adapter at a time
-(an opaque op per projection, 210 calls per step for SmolLM2) their deltas cost as much as
+(an opaque op per fused projection, 120 calls per step for SmolLM2) their deltas cost as much as
 the rest of an ICaRus paired step. vLLM's layout instead: per projection one stack of A
 ``(layers, max_loras, rank, in)`` and one of B, stored transposed ``(layers, max_loras,
 rank, out)``, zero-padded to the stacks' rank (zeros add exact zeros), handed to the graph
@@ -70,16 +70,15 @@ class LoraSlots:
         rank: the graphs that read them compile again)."""
         if adapters.version == self._version:
             return False
-        self._version = adapters.version
         resident = {slot: a for slot, a in enumerate(adapters.slots) if self.fits(a, slot)}
-        if not resident:
-            self.resident = set()
-            return False
-        grown = self.allocate(max(a.rank for a in resident.values()))
-        self.scales = [0.0] * self.max_loras
-        for slot in range(self.max_loras):
-            self._write(slot, resident.get(slot))
+        grown = False
+        if resident:
+            grown = self.allocate(max(a.rank for a in resident.values()))
+            self.scales = [0.0] * self.max_loras
+            for slot in range(self.max_loras):
+                self._write(slot, resident.get(slot))
         self.resident = set(resident)
+        self._version = adapters.version
         return grown
 
     def allocate(self, rank: int = MIN_RANK) -> bool:
@@ -92,7 +91,8 @@ class LoraSlots:
                         "compile again", rank)
         m = self.model
         zeros = lambda *shape: torch.zeros(*shape, dtype=m.dtype, device=m.embed.device)  # noqa: E731
-        self.stacks = {name: (zeros(m.n_layers, self.max_loras, rank, n_in), zeros(m.n_layers, self.max_loras, rank, n_out))
+        self.stacks = {name: (zeros(m.n_layers, self.max_loras, rank, n_in),
+                              zeros(m.n_layers, self.max_loras, rank, n_out))
                        for name, (n_in, n_out) in self.shapes.items()}
         self.rank = rank
         self.scales = [0.0] * self.max_loras
