@@ -20,8 +20,8 @@ linear backend, an adapter outside the slot stacks) run the eager forward. Induc
 on-disk caches live under ``$KVSHARE_HOME/compile`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is
 set): its C++ kernels and autotuning choices are reused by later processes, but Inductor
 does not cache a graph whose frozen weights it packed for oneDNN (``mkldnn tensors
-unpickleable`` in its codecache), so each process still lowers each bucket it uses (about a
-minute for SmolLM2 on 2 cores; two with adapters).
+unpickleable`` in its codecache), so each process still lowers each bucket it uses (for
+SmolLM2 on 2 Sapphire Rapids cores, measured: 35 s a bucket, 78 s with adapters).
 """
 
 from __future__ import annotations
