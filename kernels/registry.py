@@ -14,6 +14,7 @@ import torch
 
 from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
 from .attention import paged_attention_ref, write_kv_ref
+from .cpu import paged_attention_cpu
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
 from .quant import Int8WeightOnlyLinear
@@ -28,6 +29,8 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("gathered_lora", "torch"): gathered_lora_ref,
     ("linear", "torch"): TorchLinear,
     ("residual_attention", "torch"): residual_attention_sdpa,  # ForkKV; the block loop is its oracle
+    # C++, built on first use; the reference where it cannot be built or the tensors are not on the CPU
+    ("paged_attention", "cpu"): paged_attention_cpu,
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
@@ -81,16 +84,23 @@ class Kernels:
     """One engine's choice of implementation per operation (default: the torch references).
 
     ``Kernels("triton")`` takes that backend for every operation it implements and the
-    reference for the rest; ``Kernels({"paged_attention": "triton"})`` names single
-    operations. A backend no operation has is a clear error.
+    reference for the rest; ``Kernels("int8,cpu")`` applies several backends in turn (each
+    for the operations it implements); ``Kernels({"paged_attention": "triton"})`` names
+    single operations. ``"auto"`` is the fast path of the ``device``: on CPU the "cpu"
+    backend, elsewhere the references (Triton stays opt-in). A backend no operation has is
+    a clear error.
     """
 
-    def __init__(self, backend: str | dict[str, str] = "torch"):
+    def __init__(self, backend: str | dict[str, str] = "torch", device: torch.device | str | None = None):
         choice = {name: "torch" for name in OPERATIONS}
         if isinstance(backend, str):
-            if not any((name, backend) in _IMPLEMENTATIONS for name in OPERATIONS):
-                raise KvshareError(f"no kernel backend {backend!r} (available: {', '.join(all_backends())})")
-            choice.update({name: backend for name in OPERATIONS if (name, backend) in _IMPLEMENTATIONS})
+            for name in backend.split(","):
+                name = name.strip()
+                if name == "auto":
+                    name = "cpu" if torch.device(device or "cpu").type == "cpu" else "torch"
+                if not any((op, name) in _IMPLEMENTATIONS for op in OPERATIONS):
+                    raise KvshareError(f"no kernel backend {name!r} (available: auto, {', '.join(all_backends())})")
+                choice.update({op: name for op in OPERATIONS if (op, name) in _IMPLEMENTATIONS})
         else:
             choice.update(backend)
         for name, chosen in choice.items():

@@ -8,7 +8,9 @@ step: the rows of the writes and of the reads in the cache's flat slot view (:fu
 and, when every sequence's rows sit at its last position and every sequence has as many rows
 (decode rows, ICaRus pairs), one padded key index so that the whole batch is a single SDPA
 call, the shorter sequences' padding masked out. Anything else (a few prompt rows) keeps the
-reference's per-sequence calls over the once-computed gather. Its oracle is the reference.
+reference's per-sequence calls over the once-computed gather. With ``kernel`` (the "cpu"
+backend, :mod:`.cpu`) no gather at all: the C++ kernel reads each sequence's K/V in place.
+Its oracle is the reference.
 """
 
 from __future__ import annotations
@@ -16,31 +18,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu
 from .attention import slot_index, slot_rows
 from .metadata import AttentionMetadata
 
 
-def layer_rows(kv_cache: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """Every layer's (K, V) flat slot views of a block-major cache (blocks, layers, 2, ...),
-    and the row distance of consecutive blocks (the same for every layer)."""
+def layer_rows(kv_cache: torch.Tensor) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+    """Every layer's (K, V) flat slot views of a block-major cache (blocks, layers, 2, ...)
+    and its (K, V) block views, and the row distance of consecutive blocks (the same for
+    every layer)."""
     views, ratio = [], 0
     for layer in range(kv_cache.shape[1]):
-        (k, ratio), (v, _) = slot_rows(kv_cache[:, layer, 0]), slot_rows(kv_cache[:, layer, 1])
-        views.append((k, v))
+        k_blocks, v_blocks = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+        (k, ratio), (v, _) = slot_rows(k_blocks), slot_rows(v_blocks)
+        views.append((k, v, k_blocks, v_blocks))
     return views, ratio
 
 
 class StepAttention:
     """One step's KV writes and paged attention over :func:`layer_rows` views, for the step's
-    first ``rows`` query rows (the rest are pad rows: they neither write nor read)."""
+    first ``rows`` query rows (the rest are pad rows: they neither write nor read); with
+    ``kernel``, the C++ CPU kernel attends (the caller checks :func:`cpu.available`)."""
 
-    def __init__(self, meta: AttentionMetadata, rows: int, ratio: int):
+    def __init__(self, meta: AttentionMetadata, rows: int, ratio: int, kernel: bool = False):
         self.rows = rows
         block_size = meta.block_size
         self.write_all = len(meta.write_rows) == rows
         self.write_rows = meta.write_rows
         slots = meta.slot_mapping[:rows] if self.write_all else meta.slot_mapping.index_select(0, meta.write_rows)
         self.write_index = slot_index(slots, block_size, ratio)
+        self.meta, self.layout = meta, cpu.Layout(meta, rows) if kernel else None
+        if kernel:
+            return
         counts = {end - start for start, end in meta.seq_bounds}
         self.uniform = bool(meta.seq_bounds) and all(meta.seq_all_last) and len(counts) == 1
         lengths = meta.seq_context
@@ -75,9 +84,11 @@ class StepAttention:
         self.read_index = slot_index(index, block_size, ratio)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-                 v_rows: torch.Tensor, scale: float) -> torch.Tensor:
+                 v_rows: torch.Tensor, scale: float, k_blocks: torch.Tensor | None = None,
+                 v_blocks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the real rows' K/V into ``k_rows``/``v_rows`` and return every row's attention
-        output (pad rows: zeros), shaped like ``q``."""
+        output (pad rows: zeros), shaped like ``q``; the kernel reads the same layer's
+        ``k_blocks``/``v_blocks`` (blocks, block_size, kv_heads, d) views."""
         n = self.rows
         k, v = k[:n], v[:n]
         if not self.write_all:
@@ -85,6 +96,9 @@ class StepAttention:
         if len(self.write_index):
             k_rows.index_copy_(0, self.write_index, k.to(k_rows.dtype))
             v_rows.index_copy_(0, self.write_index, v.to(v_rows.dtype))
+        if self.layout is not None:
+            out = q.new_zeros(q.shape) if n < q.shape[0] else torch.empty_like(q)
+            return cpu.attend(q, k_blocks, v_blocks, self.layout, self.meta, scale, out)
         keys = k_rows.index_select(0, self.read_index).to(q.dtype)
         values = v_rows.index_select(0, self.read_index).to(q.dtype)
         gqa = q.shape[1] != k_rows.shape[1]

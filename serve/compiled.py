@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from ..errors import KvshareError
 from ..hardware import cpu_has_fast_bf16
-from ..kernels import build_attention_metadata
+from ..kernels import build_attention_metadata, cpu
 from ..kernels.quant import Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
@@ -64,12 +64,14 @@ class _StepContext:
     __slots__ = ("model", "kv_cache", "batch", "rows", "layer_rows", "attention")
 
     def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, rows: int,
-                 layer_rows: list[tuple[torch.Tensor, torch.Tensor]], ratio: int):
+                 layer_rows: list[tuple[torch.Tensor, ...]], ratio: int):
         self.model, self.kv_cache, self.batch, self.rows = model, kv_cache, batch, rows
         self.layer_rows = layer_rows
-        # the torch kernels' work shared by every layer, done once (another backend gets the step as it is)
-        torch_kernels = model.kernels.choice["paged_attention"] == model.kernels.choice["write_kv"] == "torch"
-        self.attention = StepAttention(batch.attention, rows, ratio) if torch_kernels else None
+        # the torch or cpu kernels' work shared by every layer, done once (another backend gets the step as it is)
+        choice = model.kernels.choice
+        kernel = choice["paged_attention"] == "cpu" and kv_cache.dtype == model.dtype and cpu.available()
+        ours = choice["write_kv"] == "torch" and (choice["paged_attention"] == "torch" or kernel)
+        self.attention = StepAttention(batch.attention, rows, ratio, kernel) if ours else None
 
 
 @torch.library.custom_op("kvshare::step_attention", mutates_args=())
@@ -77,8 +79,8 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     """Write the real rows' K/V of ``layer`` and attend over the paged cache (eager kernels)."""
     s = _step.context
     if s.attention is not None:
-        k_rows, v_rows = s.layer_rows[layer]
-        return s.attention(q, k, v, k_rows, v_rows, s.model.scale)
+        k_rows, v_rows, k_blocks, v_blocks = s.layer_rows[layer]
+        return s.attention(q, k, v, k_rows, v_rows, s.model.scale, k_blocks, v_blocks)
     model, meta, n = s.model, s.batch.attention, s.rows
     k_cache, v_cache = s.kv_cache[:, layer, 0], s.kv_cache[:, layer, 1]
     kernels = model.kernels

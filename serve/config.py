@@ -23,7 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # rows per step
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kernels: str = "torch"  # kernel backend for every operation
+    kernels: str = "auto"  # kernel backends ("auto": the device's fast path; "torch": the references)
     compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
     max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
@@ -77,7 +77,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="rows per engine step")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
-    g.add_argument("--kernels", default="torch", help="kernel backend (default: torch references)")
+    g.add_argument("--kernels", default="auto",
+                   help="kernel backends, comma-separated (torch: the references; cpu: the C++ CPU attention; "
+                   "int8: int8 weights; triton: GPU kernels); default auto: cpu on a CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run steps of up to 16 rows through torch.compile (Inductor, weights packed; each "
                    "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "

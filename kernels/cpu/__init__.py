@@ -1,0 +1,132 @@
+"""CPU kernels PyTorch lacks, in C++, built on first use (backend "cpu").
+
+Paged attention for a few query rows per sequence (:file:`paged_attention.cpp`): PyTorch's
+CPU SDPA needs each sequence's keys contiguous, so a decode step over long contexts gathers
+its whole KV (a copy as large as what it reads) and reads it again. Measured on 2 Sapphire
+Rapids cores, 8 sequences of about 1.8k tokens, SmolLM2's 30 layers: the gather and SDPA
+took 85-95 ms a step, where reading the KV once costs about 16 ms (``results/cpu-attention/``).
+The kernel reads K and V in place, once each.
+
+It is built with ``torch.utils.cpp_extension`` (the compiler Inductor uses too) into
+``$KVSHARE_HOME/ext/<source, torch and CPU digest>``, once per machine, with ``-march=native``
+(hence the CPU in the digest). Where it cannot be built (no compiler), the backend is the
+torch reference, with one warning. Sequences with more rows than :data:`FEW_ROWS` (prompt
+chunks, compute-bound) take SDPA, which uses the CPU's matrix units.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: SDPA's matrix units win
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_lock = threading.Lock()
+_built: list = []  # [module or None] once tried
+
+
+def _cpu_digest() -> str:
+    """What ``-march=native`` compiled for: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+
+
+def extension():
+    """The built extension module, or None where it cannot be built (warned once)."""
+    if _built:
+        return _built[0]
+    with _lock:
+        if not _built:
+            _built.append(_build())
+    return _built[0]
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    from ...paths import kvshare_home
+
+    source = _SOURCE.read_text()
+    digest = hashlib.sha256("\0".join((source, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
+    folder = kvshare_home() / "ext" / f"cpu-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name=f"kvshare_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(folder),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja: the reference serves, slower
+        log.warning("kvshare: the C++ CPU attention kernel could not be built (%s); using the torch "
+                    "reference", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+class Layout:
+    """A step's query rows as the kernel takes them (worked out once per step, shared by every
+    layer): each row's key count, the sequences it computes, and those left to SDPA."""
+
+    def __init__(self, meta: AttentionMetadata, rows: int | None = None):
+        device = meta.positions.device
+        rows = len(meta.positions) if rows is None else rows
+        self.row_lens = (meta.positions[:rows] + 1).to(torch.int32)
+        small = [s for s, (start, end) in enumerate(meta.seq_bounds) if end - start <= FEW_ROWS]
+        self.large = [s for s, (start, end) in enumerate(meta.seq_bounds) if end - start > FEW_ROWS]
+        self.seqs = torch.tensor(small, dtype=torch.int32, device=device)
+        self.starts = meta.query_start_loc.to(torch.int32).contiguous()
+        self.tables = meta.block_tables.to(torch.int32).contiguous()
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout, meta: AttentionMetadata,
+           scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (like ``q``) with the attention of the step's rows over the paged cache:
+    few-row sequences by the kernel, the rest by SDPA over their gathered keys."""
+    if len(layout.seqs):
+        extension().paged_attention(q, k_cache, v_cache, layout.tables, layout.starts, layout.row_lens,
+                                    layout.seqs, scale, out)
+    for s in layout.large:
+        start, end = meta.seq_bounds[s]
+        length = meta.seq_context[s]
+        table = meta.block_tables[s, :(length + k_cache.shape[1] - 1) // k_cache.shape[1]].long()
+        keys = k_cache.index_select(0, table).flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, table).flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)
+        query = q[start:end].transpose(0, 1).unsqueeze(0)
+        mask = None
+        if not meta.seq_causal[s]:
+            positions = meta.positions[start:end]
+            mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
+        attn = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                              scale=scale, is_causal=meta.seq_causal[s],
+                                              enable_gqa=q.shape[1] != k_cache.shape[2])
+        out[start:end] = attn[0].transpose(0, 1)
+    return out
+
+
+_last: tuple = (None, None)  # (meta, its Layout): every layer of an eager step asks for the same
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """Backend "cpu" of ``paged_attention``: the reference's contract, on CPU tensors of one dtype."""
+    global _last
+    from ..attention import paged_attention_ref
+
+    if q.device.type != "cpu" or k_cache.dtype != q.dtype or extension() is None:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    layout = _last[1] if _last[0] is meta else Layout(meta)
+    _last = (meta, layout)
+    return attend(q, k_cache, v_cache, layout, meta, scale, torch.empty_like(q))

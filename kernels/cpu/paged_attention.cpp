@@ -1,0 +1,221 @@
+// Paged attention for a few query rows per sequence (decode rows, ICaRus pairs, short
+// chunks), reading K and V where they lie in the paged cache.
+//
+// Why our own: on CPU, PyTorch's SDPA needs each sequence's keys contiguous, so a decode
+// step over long contexts first gathers every key and value (a copy as large as the KV it
+// reads) and then reads the copy again. For a few query rows per sequence the work is
+// bound by reading K/V once; this kernel does only that. Each (sequence, KV head) task
+// keeps its query vectors (every row of the sequence times the query heads sharing that KV
+// head: an ICaRus pair is one group of 2x the heads) in float, walks the sequence's
+// blocks once for the scores and once for the weighted values, and accumulates in float.
+// Rows attend to keys 0..row_len-1; a row_len of 0 (a pad row) gives zeros.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 8;  // query vectors per pass over the keys
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// The next block lies anywhere in the pool: ask for its rows while this block is worked on
+template <typename T>
+inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int64_t d) {
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T)))
+      __builtin_prefetch(block + o * row_stride + i);
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
+}
+
+struct Cache {
+  const char* base;  // bytes
+  int64_t block, token, head;  // strides in elements
+};
+
+// One group of G query vectors (rows x heads sharing one KV head) over its keys. D and G are
+// compile-time where known (the accumulators then live in registers), else 0 (runtime d, g).
+template <typename T, int D, int G>
+void attend_group(const float* qf, const int64_t* lens, int64_t longest, int64_t runtime_g, int64_t runtime_d,
+                  const T* kbase, const T* vbase, const Cache& kc, const Cache& vc, const int32_t* table,
+                  int64_t block_size, float* sc, float* total, float* acc_out) {
+  const int64_t d = D ? D : runtime_d, g = G ? G : runtime_g;
+  alignas(64) float row[D ? D : 1024];
+  // scores: one read of each key row, block by block
+  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
+    const T* kb = kbase + table[t0 / block_size] * kc.block;
+    const int64_t in_block = std::min(block_size, longest - t0);
+    if (t0 + block_size < longest)
+      prefetch_block(kbase + table[t0 / block_size + 1] * kc.block,
+                     std::min(block_size, longest - t0 - block_size), kc.token, d);
+    for (int64_t o = 0; o < in_block; ++o) {
+      load_row(kb + o * kc.token, row, d);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qf + j * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += qj[i] * row[i];
+        sc[j * longest + t0 + o] = dot;
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {  // softmax over the row's own keys; the rest weigh 0
+    float* s = sc + j * longest;
+    const int64_t n = lens[j];
+    float top = -3.0e38f;
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    for (int64_t t = n; t < longest; ++t) s[t] = 0.f;
+    total[j] = sum;
+  }
+  // weighted values: one read of each value row
+  alignas(64) float acc[(G ? G : kGroup) * (D ? D : 1024)];
+  std::fill(acc, acc + g * d, 0.f);
+  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
+    const T* vb = vbase + table[t0 / block_size] * vc.block;
+    const int64_t in_block = std::min(block_size, longest - t0);
+    if (t0 + block_size < longest)
+      prefetch_block(vbase + table[t0 / block_size + 1] * vc.block,
+                     std::min(block_size, longest - t0 - block_size), vc.token, d);
+    for (int64_t o = 0; o < in_block; ++o) {
+      load_row(vb + o * vc.token, row, d);
+      for (int64_t j = 0; j < g; ++j) {
+        const float p = sc[j * longest + t0 + o];
+        float* aj = acc + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
+      }
+    }
+  }
+  std::copy(acc, acc + g * d, acc_out);
+}
+
+template <typename T, int D>
+using GroupFn = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, const T*, const T*, const Cache&,
+                         const Cache&, const int32_t*, int64_t, float*, float*, float*);
+
+template <typename T, int D>
+GroupFn<T, D> group_fn(int64_t g) {
+  switch (g) {
+    case 1: return attend_group<T, D, 1>;
+    case 2: return attend_group<T, D, 2>;
+    case 3: return attend_group<T, D, 3>;
+    case 4: return attend_group<T, D, 4>;
+    case 5: return attend_group<T, D, 5>;
+    case 6: return attend_group<T, D, 6>;
+    case 7: return attend_group<T, D, 7>;
+    default: return attend_group<T, D, 8>;
+  }
+}
+
+// Every row of one sequence for one KV head, kGroup query vectors at a time.
+template <typename T, int D>
+void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
+                 const int32_t* table, int64_t block_size, const int32_t* row_lens, int64_t first_row,
+                 int64_t rows, int64_t kv_head, int64_t ratio, int64_t head_dim, float scale, T* out,
+                 int64_t out_row, int64_t out_head, std::vector<float>& scores) {
+  const int64_t d = D ? D : head_dim;
+  const T* kbase = reinterpret_cast<const T*>(kc.base) + kv_head * kc.head;
+  const T* vbase = reinterpret_cast<const T*>(vc.base) + kv_head * vc.head;
+  const int64_t vectors = rows * ratio;
+  std::vector<float> qf(kGroup * d), acc(kGroup * d);
+  for (int64_t first = 0; first < vectors; first += kGroup) {
+    const int64_t g = std::min<int64_t>(kGroup, vectors - first);
+    int64_t lens[kGroup], longest = 0;
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = first_row + (first + j) / ratio, h = kv_head * ratio + (first + j) % ratio;
+      lens[j] = row_lens[r];
+      longest = std::max(longest, lens[j]);
+      const T* src = q + r * q_row + h * q_head;
+      for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]) * scale;
+    }
+    if (static_cast<int64_t>(scores.size()) < g * longest) scores.resize(g * longest);
+    float total[kGroup];
+    auto fn = D ? group_fn<T, D>(g) : attend_group<T, 0, 0>;
+    fn(qf.data(), lens, longest, g, d, kbase, vbase, kc, vc, table, block_size, scores.data(), total, acc.data());
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = first_row + (first + j) / ratio, h = kv_head * ratio + (first + j) % ratio;
+      T* dst = out + r * out_row + h * out_head;
+      const float inv = lens[j] > 0 ? 1.f / total[j] : 0.f;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[j * d + i] * inv);
+    }
+  }
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& tables, const torch::Tensor& starts, const torch::Tensor& row_lens,
+         const torch::Tensor& seqs, double scale, torch::Tensor& out) {
+  const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t ratio = heads / kv_heads, n = seqs.size(0), width = tables.size(1);
+  const Cache kc{reinterpret_cast<const char*>(k_cache.data_ptr<T>()), k_cache.stride(0), k_cache.stride(1),
+                 k_cache.stride(2)};
+  const Cache vc{reinterpret_cast<const char*>(v_cache.data_ptr<T>()), v_cache.stride(0), v_cache.stride(1),
+                 v_cache.stride(2)};
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* lp = row_lens.data_ptr<int32_t>();
+  const int32_t* seq = seqs.data_ptr<int32_t>();
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = seq[task / kv_heads], h = task % kv_heads;
+      auto task_fn = d == 64 ? attend_task<T, 64> : d == 128 ? attend_task<T, 128> : attend_task<T, 0>;
+      task_fn(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], sp[s + 1] - sp[s], h,
+              ratio, d, static_cast<float>(scale), op, out.stride(0), out.stride(1), scores);
+    }
+  });
+}
+
+}  // namespace
+
+// q, out: (rows, heads, d), rows grouped by sequence; k_cache, v_cache: (blocks, block_size,
+// kv_heads, d) views with a contiguous last dim; tables: (sequences, width) int32 block ids;
+// starts: (sequences + 1) int32 first row of each sequence; row_lens: (rows,) int32 keys each
+// row reads; seqs: int32 the sequences to compute (their rows of out are written, no other).
+void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                     torch::Tensor starts, torch::Tensor row_lens, torch::Tensor seqs, double scale,
+                     torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out: (rows, heads, d) with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2),
+              "k_cache and v_cache: (blocks, block_size, kv_heads, d) with a contiguous last dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "q, caches and out share one dtype");
+  for (const auto* t : {&tables, &starts, &row_lens, &seqs})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors: contiguous int32");
+  switch (q.scalar_type()) {
+    case torch::kFloat32: run<float>(q, k_cache, v_cache, tables, starts, row_lens, seqs, scale, out); break;
+    case torch::kBFloat16: run<c10::BFloat16>(q, k_cache, v_cache, tables, starts, row_lens, seqs, scale, out); break;
+    case torch::kFloat16: run<c10::Half>(q, k_cache, v_cache, tables, starts, row_lens, seqs, scale, out); break;
+    default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }

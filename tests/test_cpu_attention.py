@@ -1,0 +1,88 @@
+"""The C++ CPU paged attention (backend "cpu") against the torch reference: random block
+layouts, partial blocks, GQA ratios 1/3/4, head sizes the kernel specialises (64, 128) and
+others, float32/bfloat16/float16, decode rows, ICaRus pairs, read-only rows, prompt rows, and a
+prompt chunk long enough to be left to SDPA. Also: "auto" picks it on CPU, and only the
+sequences asked for are written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.kernels import Kernels, build_attention_metadata, cpu
+from kvshare.kernels.attention import paged_attention_ref
+
+
+
+def test_the_kernel_builds_here():
+    """Else the backend quietly serves the reference, and the tests below compare it with itself."""
+    assert cpu.available()
+
+
+def _case(gen: torch.Generator, rows_per_seq: list[list[int]], n_q: int, n_kv: int, d: int, block: int,
+          dtype: torch.dtype, n_blocks: int = 64):
+    """A block-major cache of random K/V and metadata for sequences with rows at the given positions."""
+    kv = torch.randn(n_blocks, 2, 2, block, n_kv, d, generator=gen).to(dtype)  # (blocks, layers, K/V, ...)
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    row_seq, positions, writes, tables = [], [], [], []
+    for s, rows in enumerate(rows_per_seq):
+        length = max(rows) + 1
+        table = [free.pop() for _ in range((length + block - 1) // block)]
+        tables.append(table)
+        row_seq += [s] * len(rows)
+        positions += rows
+        writes += [-1] * len(rows)
+    meta = build_attention_metadata(row_seq, positions, writes, tables, block)
+    q = torch.randn(len(row_seq), n_q, d, generator=gen).to(dtype)
+    return q, kv[:, 1, 0], kv[:, 1, 1], meta  # layer 1: blocks are not back to back
+
+
+LAYOUTS = {
+    "decode rows, unequal lengths": [[37], [2], [16], [63]],
+    "ICaRus pairs": [[20, 20], [45, 45]],
+    "prompt rows after a cached prefix": [[30, 31, 32, 33], [9]],
+    "a causal prompt": [list(range(12))],
+    "a long chunk beside decode rows": [list(range(5, 5 + cpu.FEW_ROWS + 3)), [40]],
+}
+HEADS = [(4, 4), (6, 2), (8, 2)]  # GQA ratios 1, 3, 4
+
+
+@pytest.mark.parametrize("d", [64, 128, 24])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_kernel_equals_the_reference_in_float32(layout, heads, d):
+    gen = torch.Generator().manual_seed(d + heads[0])
+    q, k_cache, v_cache, meta = _case(gen, LAYOUTS[layout], *heads, d, block=16 if d != 24 else 5,
+                                      dtype=torch.float32)
+    got = Kernels("cpu").paged_attention(q, k_cache, v_cache, meta, d ** -0.5)
+    want = paged_attention_ref(q, k_cache, v_cache, meta, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_in_half_precision_stays_within_rounding(dtype):
+    """The kernel accumulates in float32, SDPA too; both round the output to the dtype."""
+    gen = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, meta = _case(gen, [[50, 50], [7], list(range(9))], 9, 3, 64, 16, dtype)
+    got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_only_the_sequences_asked_for_are_written():
+    gen = torch.Generator().manual_seed(4)
+    q, k_cache, v_cache, meta = _case(gen, [[10], [20, 20], [5]], 6, 2, 64, 16, torch.float32)
+    layout = cpu.Layout(meta)
+    layout.seqs = torch.tensor([1], dtype=torch.int32)
+    out = torch.full_like(q, 7.0)
+    cpu.attend(q, k_cache, v_cache, layout, meta, 0.125, out)
+    want = paged_attention_ref(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out[1:3], want[1:3], atol=2e-5, rtol=2e-5)
+    assert (out[0] == 7).all() and (out[3] == 7).all()
+
+
+def test_auto_picks_the_cpu_kernel_on_cpu_and_the_references_elsewhere():
+    assert Kernels("auto").choice["paged_attention"] == "cpu"
+    assert Kernels("auto", "cuda").choice["paged_attention"] == "torch"
+    both = Kernels("int8,cpu").choice
+    assert (both["linear"], both["paged_attention"], both["write_kv"]) == ("int8", "cpu", "torch")
