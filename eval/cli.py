@@ -231,9 +231,9 @@ def register(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="short prompts (128/256 tokens) for a fast check")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the engine and transformers both run there")
-    p.add_argument("--kernels", nargs="+", default=["torch"],
-                   help="the engine's kernel backend; several (e.g. torch triton) each get an engine, "
-                   "measured in the same run (default: torch references)")
+    p.add_argument("--kernels", nargs="+", default=["auto"],
+                   help="the engine's kernel backends (comma-separated, e.g. int8,cpu); several (e.g. torch "
+                   "triton) each get an engine, measured in the same run (default: auto, the device's fast path)")
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="transformers' dtype (default float32, as users run it by default)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
@@ -244,11 +244,11 @@ def register(sub) -> None:
     p = bsub.add_parser("kernels", help="kernel backends vs each other and SDPA: paged attention, multi-LoRA",
                         description="Time each kernel backend on the engine's shapes: paged attention "
                         "(decode rows and ICaRus pairs) against PyTorch SDPA over the same K/V gathered "
-                        "dense, and one projection's LoRA delta with 8 adapters against 1. Meant for a "
-                        "GPU (--device cuda, Triton included); on CPU the torch backends only.")
+                        "dense, and one projection's LoRA delta with 8 adapters against 1. On a GPU "
+                        "(--device cuda) Triton is included; on CPU the torch and C++ cpu backends.")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--kernels", nargs="+", help="backends to time (default: torch, and triton on a GPU)")
+    p.add_argument("--kernels", nargs="+", help="backends to time (default: torch, and triton on a GPU or cpu on a CPU)")
     p.add_argument("--shapes", nargs="+", help="model shapes (default: smollm2-135m llama-8b)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sequences per attention call")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="keys per sequence")
@@ -280,7 +280,8 @@ def register(sub) -> None:
                    choices=["icarus", "alora", "lora", "forkkv", "base", "hf", "vllm-lora", "vllm-base"],
                    help="default: icarus alora lora hf (with --ray: icarus); base: every agent on the base "
                    "model, the ideal sharing bound")
-    p.add_argument("--kernels", default="torch", help="the kvshare engines' kernel backend (e.g. int8)")
+    p.add_argument("--kernels", default="auto",
+                   help="the kvshare engines' kernel backends (e.g. int8,cpu; default auto: the device's fast path)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
     p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
                    "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")

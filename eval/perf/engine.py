@@ -114,7 +114,7 @@ def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new:
 
 def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32", threads: int = 2,
                      new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
-                     device: str = "cpu", kernels: str | list[str] = "torch", peer: str | None = None,
+                     device: str = "cpu", kernels: str | list[str] = "auto", peer: str | None = None,
                      peer_venv: str | Path | None = None, compile: str = "auto",
                      hf_dtype: str = "float32") -> dict:
     """``kernels`` may name several backends: each gets its own engine and its own figures,

@@ -15,7 +15,8 @@ Two questions a GPU user asks of our kernels, each answered in one run:
 K/V live in the engine's block-major memory (blocks, layers, 2, block_size, kv_heads, dim)
 in shuffled blocks, so the kernels read a strided layer view as they do when serving.
 On CUDA times are :func:`triton.testing.do_bench` medians (events, after warm-up); on CPU
-the median of timed calls (torch backends only: Triton's interpreter is not a speed).
+the median of timed calls (the torch references and the C++ "cpu" backend: Triton's
+interpreter is not a speed).
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def run_kernel_bench(device: str = "cuda", dtype: str = "bfloat16", kernels: lis
     if torch_dtype is None:
         raise KvshareError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
     if kernels is None:  # Triton's interpreter (CPU) is a correctness tool, not a speed
-        kernels = ["torch"] + (["triton"] if dev.type == "cuda" and "triton" in backends("paged_attention") else [])
+        fast = ["cpu"] if dev.type == "cpu" else ["triton"] if "triton" in backends("paged_attention") else []
+        kernels = ["torch"] + fast
     chosen = {name: Kernels(name) for name in kernels}
     shapes = shapes or list(SHAPES)
     for name in shapes:

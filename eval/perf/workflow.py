@@ -146,7 +146,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
-                       peer_venv: str | Path | None = None, kernels: str = "torch") -> dict:
+                       peer_venv: str | Path | None = None, kernels: str = "auto") -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
