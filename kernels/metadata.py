@@ -36,7 +36,7 @@ def build_attention_metadata(row_seq: list[int], positions: list[int], write_slo
                              device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata for rows grouped by sequence (a sequence's rows are contiguous, in order of
     ``row_seq`` values 0..S-1); ``block_tables[s]`` lists sequence s's blocks."""
-    bounds, context, causal, all_last, key_slots, tables = [], [], [], [], [], []
+    bounds, context, causal, all_last, tables = [], [], [], [], []
     start, rows = 0, len(row_seq)
     while start < rows:
         seq = row_seq[start]
@@ -49,19 +49,23 @@ def build_attention_metadata(row_seq: list[int], positions: list[int], write_slo
         context.append(length)
         causal.append(end - start == length and length > 1 and pos == list(range(length)))
         all_last.append(all(p == length - 1 for p in pos))
-        table = block_tables[seq]
-        tables.append(table)
-        for b in range((length + block_size - 1) // block_size):
-            first = table[b] * block_size
-            key_slots.extend(range(first, first + min(block_size, length - b * block_size)))
+        if len(block_tables[seq]) * block_size < length:
+            raise ValueError(f"sequence {seq}'s block table holds {len(block_tables[seq])} blocks; its rows "
+                             f"read {length} keys")
+        tables.append(block_tables[seq])
         start = end
     width = max(map(len, tables), default=0)
     tables = [table + [0] * (width - len(table)) for table in tables]
     loc = [0] + [e for _, e in bounds]
+    table_tensor = torch.tensor(tables, dtype=torch.int32).reshape(len(bounds), width)
+    lengths = torch.tensor(context, dtype=torch.int32)
+    # every sequence's key slots, concatenated: on the host in tensor ops (a decode step over
+    # long contexts has tens of thousands)
+    offsets = torch.arange(width * block_size)
+    key_slots = (table_tensor.long().repeat_interleave(block_size, dim=1) * block_size
+                 + offsets % block_size)[offsets[None, :] < lengths[:, None]]
     host = [torch.tensor(positions, dtype=torch.long), torch.tensor(write_slots, dtype=torch.long),
-            torch.tensor(loc, dtype=torch.int32), torch.tensor(context, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32).reshape(len(bounds), width),
-            torch.tensor(key_slots, dtype=torch.long),
+            torch.tensor(loc, dtype=torch.int32), lengths, table_tensor, key_slots,
             torch.tensor([r for r, slot in enumerate(write_slots) if slot >= 0], dtype=torch.long)]
     dev = [t.to(device, non_blocking=True) for t in host]
     return AttentionMetadata(*dev, block_size=block_size, seq_bounds=bounds, seq_context=context,

@@ -42,7 +42,7 @@ from ..kernels.quant import Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .adapters import AdapterSet
-from .batch import Batch
+from .batch import Batch, StepPlan
 from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
 
@@ -236,11 +236,35 @@ class CompiledStep:
         if not (batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
                 and self.bucket(len(batch.tokens)) is not None):
             return False
-        if not batch.lora_groups:
+        return self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters)
+
+    def serves_adapters(self, slots: list[int], adapters: AdapterSet) -> bool:
+        """Whether the slot stacks hold every adapter slot in ``slots`` (brought up to date first)."""
+        if not slots:
             return True
         if self.lora.sync(adapters):  # new stacks: the graphs with adapters compile again
             self.traced = {key for key in self.traced if not key[1]}
-        return self.lora.serves(slot for slot, _ in batch.lora_groups)
+        return self.lora.serves(slots)
+
+    def split(self, plans: list[StepPlan], kv_cache, hidden_capture, adapters: AdapterSet) -> list[list[StepPlan]]:
+        """The forwards a step runs as. A step too large for the graph (a prompt chunk beside
+        decoding sequences) runs as two: the few-row plans, up to the largest bucket, through
+        the graph, the rest eager. Otherwise the decode rows would ride in the eager forward,
+        with every adapter's LoRA as separate eager calls. Splitting changes no result: a
+        sequence's rows stay in one forward, and a step's rows read only blocks computed
+        before it or their own sequence's (prefix sharing reuses computed blocks only)."""
+        if (not isinstance(kv_cache, torch.Tensor) or hidden_capture is not None
+                or self.bucket(sum(plan.num_rows for plan in plans)) is not None):
+            return [plans]
+        few, rest, rows = [], [], 0
+        for plan in plans:
+            fits = not plan.seq.forkkv and rows + plan.num_rows <= self.buckets[-1]
+            (few if fits else rest).append(plan)
+            rows += plan.num_rows if fits else 0
+        if not few or not rest or not self.serves_adapters([p.seq.adapter_slot for p in few
+                                                             if p.seq.adapter_slot >= 0], adapters):
+            return [plans]
+        return [few, rest]
 
     @torch.no_grad()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:

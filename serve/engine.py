@@ -283,9 +283,9 @@ class LLMEngine:
         return outputs
 
     def _run_isolating(self, plans: list[StepPlan]) -> tuple[list[tuple[list[StepPlan], tuple]], list[StepPlan]]:
-        """Run ``plans``; on failure bisect them. Returns the groups that ran with their results,
-        and the plans whose step failed alone."""
-        runs, failed, todo = [], [], [plans]
+        """Run ``plans`` (as the runner splits them); on failure bisect them. Returns the groups
+        that ran with their results, and the plans whose step failed alone."""
+        runs, failed, todo = [], [], self.runner.split(plans, self._adapters)[::-1]
         while todo:
             group = todo.pop()
             states = {id(p.seq.generator): p.seq.generator.get_state() for p in group if p.seq.generator is not None}

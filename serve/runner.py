@@ -103,6 +103,12 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.embed.shape[0]
 
+    def split(self, plans: list[StepPlan], adapters: AdapterSet) -> list[list[StepPlan]]:
+        """The groups of plans one step runs as separate forwards (:meth:`CompiledStep.split`)."""
+        if self.compiled is None:
+            return [plans]
+        return self.compiled.split(plans, self.stream or self.kv_cache, self.model.hidden_capture, adapters)
+
     def run(self, plans: list[StepPlan], adapters: AdapterSet) -> tuple[Batch, list[int], dict[int, dict]]:
         """Run one step: (the batch, the sampled token of each sampling row in target order,
         logprob records by logit row for the rows that want them)."""

@@ -90,6 +90,41 @@ def test_pad_rows_never_write_the_cache(engines, tokenizer):
         engine.step()
 
 
+def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, tokenizer):
+    """A step of a 40-row prompt chunk and three decoding sequences (base, LoRA, ICaRus pair)
+    is two forwards: the decode rows through the graph, the chunk eager; the same tokens as
+    the eager engine, which runs the step as one forward."""
+    compiled, eager = engines
+    prompts = prompts_for(tokenizer, 3)
+    long_prompt = sum(prompts_for(tokenizer, 4), [])[:40]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = []
+    for llm in (compiled, eager):
+        engine = llm.engine
+        engine.reset_prefix_cache()
+        ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
+        engine.step()  # the three prompts
+        engine.step()  # a decode step
+        ids.append(engine.add_request(long_prompt, params, adapter="lora-b"))
+        runner = engine.runner
+        split, seen = runner.split, []
+        runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
+        steps = runner.compiled.steps if runner.compiled is not None else 0
+        engine.step()
+        del runner.split
+        want = [4, 40] if runner.compiled is not None else [44]  # base 1 + LoRA 1 + ICaRus pair 2; the prompt
+        assert [sum(p.num_rows for p in group) for group in seen[0]] == want
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        if runner.compiled is not None:
+            assert runner.compiled.steps - steps >= 6  # the split step's decode rows, then every decode step
+        results.append([done[i].token_ids for i in ids])
+    assert results[0] == results[1]
+
+
 def test_steps_it_cannot_take_run_eager(engines, tokenizer):
     compiled, eager = engines
     runner = compiled.engine.runner
