@@ -49,6 +49,25 @@ struct Cache {
   int64_t block, token, head;  // strides in elements
 };
 
+// Each of one KV head's rows 0..longest-1 (keys or values) in float in ``row``, block by block
+// with the next block prefetched, handed to fn(t)
+template <typename T, typename Fn>
+__attribute__((always_inline)) inline void for_each_row(const T* base, const Cache& c, const int32_t* table,
+                                                        int64_t block_size, int64_t longest, int64_t d, float* row,
+                                                        Fn&& fn) {
+  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
+    const T* block = base + table[t0 / block_size] * c.block;
+    if (t0 + block_size < longest)
+      prefetch_block(base + table[t0 / block_size + 1] * c.block, std::min(block_size, longest - t0 - block_size),
+                     c.token, d);
+    const int64_t in_block = std::min(block_size, longest - t0);
+    for (int64_t o = 0; o < in_block; ++o) {
+      load_row(block + o * c.token, row, d);
+      fn(t0 + o);
+    }
+  }
+}
+
 // One group of G query vectors (rows x heads sharing one KV head) over its keys. D and G are
 // compile-time where known (the accumulators then live in registers), else 0 (runtime d, g).
 template <typename T, int D, int G>
@@ -57,24 +76,16 @@ void attend_group(const float* qf, const int64_t* lens, int64_t longest, int64_t
                   int64_t block_size, float* sc, float* total, float* acc_out) {
   const int64_t d = D ? D : runtime_d, g = G ? G : runtime_g;
   alignas(64) float row[D ? D : 1024];
-  // scores: one read of each key row, block by block
-  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
-    const T* kb = kbase + table[t0 / block_size] * kc.block;
-    const int64_t in_block = std::min(block_size, longest - t0);
-    if (t0 + block_size < longest)
-      prefetch_block(kbase + table[t0 / block_size + 1] * kc.block,
-                     std::min(block_size, longest - t0 - block_size), kc.token, d);
-    for (int64_t o = 0; o < in_block; ++o) {
-      load_row(kb + o * kc.token, row, d);
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = qf + j * d;
-        float dot = 0.f;
+  // scores: one read of each key row
+  for_each_row(kbase, kc, table, block_size, longest, d, row, [&](int64_t t) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = qf + j * d;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qj[i] * row[i];
-        sc[j * longest + t0 + o] = dot;
-      }
+      for (int64_t i = 0; i < d; ++i) dot += qj[i] * row[i];
+      sc[j * longest + t] = dot;
     }
-  }
+  });
   for (int64_t j = 0; j < g; ++j) {  // softmax over the row's own keys; the rest weigh 0
     float* s = sc + j * longest;
     const int64_t n = lens[j];
@@ -92,22 +103,14 @@ void attend_group(const float* qf, const int64_t* lens, int64_t longest, int64_t
   // weighted values: one read of each value row
   alignas(64) float acc[(G ? G : kGroup) * (D ? D : 1024)];
   std::fill(acc, acc + g * d, 0.f);
-  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
-    const T* vb = vbase + table[t0 / block_size] * vc.block;
-    const int64_t in_block = std::min(block_size, longest - t0);
-    if (t0 + block_size < longest)
-      prefetch_block(vbase + table[t0 / block_size + 1] * vc.block,
-                     std::min(block_size, longest - t0 - block_size), vc.token, d);
-    for (int64_t o = 0; o < in_block; ++o) {
-      load_row(vb + o * vc.token, row, d);
-      for (int64_t j = 0; j < g; ++j) {
-        const float p = sc[j * longest + t0 + o];
-        float* aj = acc + j * d;
+  for_each_row(vbase, vc, table, block_size, longest, d, row, [&](int64_t t) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float p = sc[j * longest + t];
+      float* aj = acc + j * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
-      }
+      for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
     }
-  }
+  });
   std::copy(acc, acc + g * d, acc_out);
 }
 
@@ -205,6 +208,7 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
                   v_cache.stride(3) == 1 && k_cache.size(3) == q.size(2),
               "k_cache and v_cache: (blocks, block_size, kv_heads, d) with a contiguous last dim");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) <= 1024, "head size above 1024");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type(),
               "q, caches and out share one dtype");
