@@ -99,5 +99,80 @@ class Int8WeightOnlyLinear:
 
 
 def weight_bytes(prepared) -> int:
-    """Bytes a prepared weight holds (an :class:`Int8Weight` or a plain tensor)."""
-    return prepared.nbytes if isinstance(prepared, Int8Weight) else prepared.numel() * prepared.element_size()
+    """Bytes a prepared weight holds (an :class:`Int8Weight`, an :class:`Int4Weight` or a plain tensor)."""
+    return prepared.nbytes if isinstance(prepared, (Int8Weight, Int4Weight)) else prepared.numel() * prepared.element_size()
+
+
+# --- weight-only int4 (backend "int4") -------------------------------------------------------
+
+INT4_GROUP = 32  # llama.cpp's Q4_1 block: 32 inputs share a scale and a minimum
+
+
+class Int4Weight:
+    """A weight as 4-bit integers in groups of ``group`` inputs, each group with a float scale
+    and zero: ``w = (q - 8) * scale + zero`` (``q`` in 0..15), the layout PyTorch's CPU kernel
+    ``torch._weight_int4pack_mm_for_cpu`` takes (``packed``: (out, in / 2) uint8;
+    ``scales_zeros``: (in / group, out, 2) in the activations' dtype)."""
+
+    __slots__ = ("packed", "scales_zeros", "group")
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int):
+        self.packed, self.scales_zeros, self.group = packed, scales_zeros, group
+
+    def dequantize(self) -> torch.Tensor:
+        """The float (out, in) weight this one stands for (the kernel applied to the identity)."""
+        n_in = self.packed.shape[1] * 2
+        eye = torch.eye(n_in, dtype=self.scales_zeros.dtype)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_zeros).T.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def int4_fits(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
+    """Whether PyTorch's int4 CPU kernel takes this (out, in) weight: out a multiple of 16, in of the group."""
+    return (hasattr(torch, "_weight_int4pack_mm_for_cpu") and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % group == 0)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
+    """Asymmetric 4-bit groups of a float32 or bfloat16 (out, in) weight, as Q4_1 does: per group
+    ``scale = (max - min) / 15``, ``q = round((w - min) / scale)``. The scale and zero are
+    rounded to the weight's dtype first and ``q`` computed from the rounded values."""
+    n_out, n_in = weight.shape
+    w = weight.detach().to(torch.float32).reshape(n_out, n_in // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).to(weight.dtype).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0 with any scale
+    zero = (low + 8 * scale).to(weight.dtype).float()
+    q = torch.round((w - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp_(0, 15)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(n_out, n_in).to(torch.int32), 1)
+    scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(weight.dtype).contiguous()
+    return Int4Weight(packed, scales_zeros, group)
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for an int4 weight (any leading dims; computed in the scales' dtype)."""
+    rows = x.reshape(-1, x.shape[-1]).to(weight.scales_zeros.dtype).contiguous()  # the kernel takes (M, K)
+    y = torch._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group, weight.scales_zeros)
+    y = y.reshape(*x.shape[:-1], -1).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+class Int4WeightOnlyLinear:
+    """Weight-only int4 linear (Q4_1's precision: groups of 32 with a scale and a minimum) on
+    PyTorch's CPU int4 kernel, for the weights it takes (:func:`int4_fits`); others stay float.
+    Unlike int8, a tied lm_head is quantised too (a copy beside the float embedding table,
+    which the token lookup reads): at one row the head is a large share of the step's bytes."""
+
+    @staticmethod
+    def prepare(weight: torch.Tensor):
+        return quantize_int4(weight) if int4_fits(weight) else weight
+
+    @staticmethod
+    def apply(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(weight, Int4Weight):
+            return F.linear(x, weight, bias)
+        return int4_linear(x, weight, bias)

@@ -17,7 +17,7 @@ from .attention import paged_attention_ref, write_kv_ref
 from .cpu import paged_attention_cpu
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
-from .quant import Int8WeightOnlyLinear
+from .quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from .residual_attention import residual_attention_sdpa
 
 OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention")
@@ -35,6 +35,7 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
 _IMPLEMENTATIONS[("linear", "int8")] = Int8WeightOnlyLinear  # weight-only int8 base (kernels/quant.py)
+_IMPLEMENTATIONS[("linear", "int4")] = Int4WeightOnlyLinear  # weight-only int4, Q4_1's precision (kernels/quant.py)
 
 
 def register(name: str, backend: str, fn: Callable) -> None:

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from ..errors import KvshareError
 from ..hardware import cpu_has_fast_bf16
 from ..kernels import build_attention_metadata, cpu
-from ..kernels.quant import Int8Weight
+from ..kernels.quant import Int4Weight, Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .adapters import AdapterSet
@@ -97,25 +97,34 @@ def _(q, k, v, layer):
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
+    """``F.linear``; for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
     which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
-    float32's bytes, dequantised in registers)."""
+    float32's bytes, dequantised in registers); for an int4 weight (packed, scales and zeros,
+    group) its int4 product, which Inductor lowers to its WOQ int4 GEMM template."""
     if not isinstance(weight, tuple):
         return F.linear(x, weight, bias)
-    q, scale = weight
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], -1)
+    rows = x.reshape(-1, x.shape[-1])
+    if len(weight) == 3:
+        packed, scales_zeros, group = weight
+        y = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group, scales_zeros)
+    else:
+        q, scale = weight
+        y = torch._weight_int8pack_mm(rows, q, scale)
+    y = y.reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
 
 class _Decoder(torch.nn.Module):
     """The model's weights as parameters of one module (so Inductor freezes and packs them) and
     its forward over padded rows: embedding, every layer, final norm, head. An int8 weight
-    (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales."""
+    (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales;
+    an int4 one (:class:`~kvshare.kernels.quant.Int4Weight`) its packed groups and their scales and zeros."""
 
     def __init__(self, model: Model, adapted: bool):
         super().__init__()
         self.model = model
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
+        self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         for name in ("embed", "final_norm", "lm_head"):
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -134,13 +143,20 @@ class _Decoder(torch.nn.Module):
                                    "multiple of 16; run this one with --compile off")
             setattr(self, f"{name}_q", param(value.q))
             setattr(self, f"{name}_scale", param(value.scale))
+        elif isinstance(value, Int4Weight):
+            setattr(self, f"{name}_q4", param(value.packed))
+            setattr(self, f"{name}_sz", param(value.scales_zeros))
+            self.int4_groups[name] = value.group
         else:
             setattr(self, name, param(value))
 
     def _param(self, name: str):
-        """What ``_linear`` takes for weight ``name``: the parameter, or an int8 (q, scale) pair."""
+        """What ``_linear`` takes for weight ``name``: the parameter, an int8 (q, scale) pair or
+        an int4 (packed, scales and zeros, group) triple."""
         if hasattr(self, f"{name}_q"):
             return getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
+        if name in self.int4_groups:
+            return getattr(self, f"{name}_q4"), getattr(self, f"{name}_sz"), self.int4_groups[name]
         return getattr(self, name)
 
     def _layers(self) -> list[dict]:
@@ -174,7 +190,7 @@ class _Decoder(torch.nn.Module):
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
     """Whether an engine runs the compiled step: ``on`` asks for it (an error where it cannot
     run), ``auto`` takes it on CPU in float32 with the torch linear backend, and in bfloat16
-    (torch or int8 weights) where the CPU has bfloat16 instructions; ``off`` never.
+    (torch, int8 or int4 weights) where the CPU has bfloat16 instructions; ``off`` never.
     ``KVSHARE_COMPILE=off`` turns ``auto`` off (the test suite does, to keep its time)."""
     if mode not in MODES:
         raise KvshareError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
@@ -186,17 +202,16 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
         if mode == "auto":
             return device.type == "cpu" and (
                 (dtype == torch.float32 and linear == "torch")
-                or (dtype == torch.bfloat16 and linear in ("torch", "int8") and cpu_has_fast_bf16()))
+                or (dtype == torch.bfloat16 and linear in ("torch", "int8", "int4") and cpu_has_fast_bf16()))
     if mode != "on":
         return False
     if device.type != "cpu":
         raise KvshareError("the compiled step is the CPU path; on a GPU use --kernels triton")
-    if linear not in ("torch", "int8"):
+    if linear not in ("torch", "int8", "int4"):
         raise KvshareError(f"the compiled step packs the weights itself; it does not combine with the "
                            f"{linear!r} linear backend")
-    if linear == "int8" and dtype != torch.bfloat16:
-        raise KvshareError("the compiled step takes int8 weights with bfloat16 activations (--dtype bfloat16); "
-                           "float32 activations dequantise per call")
+    if linear in ("int8", "int4") and dtype != torch.bfloat16:
+        raise KvshareError(f"the compiled step takes {linear} weights with bfloat16 activations (--dtype bfloat16)")
     return True
 
 

@@ -1,0 +1,126 @@
+"""Weight-only int4 ("linear" backend "int4", Q4_1's precision): the quantisation, the kernel's
+math against the dequantised float product, the weights it leaves float, an engine on it where
+the base is int4 and the adapters stay float and exact, and the compiled step on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.kernels import Kernels
+from kvshare.kernels.quant import INT4_GROUP, Int4Weight, int4_fits, quantize_int4
+from kvshare.serve import LLM, SamplingParams
+from kvshare.serve.compiled import compile_wanted
+
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+INT4 = Kernels("int4")
+
+
+def random_weight(out: int = 48, inp: int = 96, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen) + torch.randn(out, 1, generator=gen)
+    w[3, :INT4_GROUP] = 0.5  # a constant group must not divide by zero
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantisation_round_trip_is_within_half_a_step_per_group(dtype):
+    w = random_weight(dtype=dtype)
+    q = quantize_int4(w)
+    assert q.packed.dtype == torch.uint8 and q.packed.shape == (48, 48) and q.scales_zeros.shape == (3, 48, 2)
+    groups = w.float().reshape(48, 3, INT4_GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (q.dequantize().float() - w.float()).reshape(48, 3, INT4_GROUP).abs().amax(-1)
+    slack = 1e-6 if dtype == torch.float32 else 0.02 * groups.abs().amax(-1)  # scale and zero rounded to bfloat16
+    assert (err <= step / 2 + slack).all()
+    assert torch.equal(q.dequantize()[3, :INT4_GROUP].float(), w[3, :INT4_GROUP].float())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_apply_is_the_dequantised_product(rows):
+    w = random_weight()
+    q = INT4.linear.prepare(w)
+    x = torch.randn(2, rows, 96)
+    bias = torch.randn(48)
+    torch.testing.assert_close(INT4.linear.apply(x, q, bias), x @ q.dequantize().T + bias, atol=1e-4, rtol=1e-5)
+    xb = x.bfloat16()
+    qb = INT4.linear.prepare(w.bfloat16())
+    want = (xb.float() @ qb.dequantize().float().T).bfloat16()
+    torch.testing.assert_close(INT4.linear.apply(xb, qb), want, atol=0.05, rtol=0.02)
+
+
+def test_weights_the_kernel_cannot_take_stay_float():
+    assert not int4_fits(random_weight(out=40))  # outputs not a multiple of 16
+    assert not int4_fits(random_weight(inp=80))  # inputs not a multiple of the group
+    w = random_weight(out=40)
+    assert INT4.linear.prepare(w) is w
+
+
+def _model(llm):
+    return llm.engine.runner.model
+
+
+@pytest.mark.parametrize("name", [None, "lora-a", "icarus-a"])
+def test_int4_engine_equals_a_float_engine_on_the_dequantised_base(base, adapters, tokenizer, name):
+    """The int4 engine scores like the float engine whose projections (and head) were replaced
+    by their dequantised values, with the same float adapter: adapters stay exact."""
+    settings = dict(kv_cache_tokens=512, block_size=4)
+    quant = LLM(base, list(adapters.values()), kernels="int4", **settings)
+    ref = LLM(base, list(adapters.values()), **settings)
+    quantised = 0
+    for q_layer, r_layer in zip(_model(quant).layers, _model(ref).layers):
+        for part in ("qkv", "o", "gate_up", "down"):
+            if isinstance(q_layer[part], Int4Weight):
+                r_layer[part] = q_layer[part].dequantize()
+                quantised += 1
+    assert quantised >= 4  # the tiny model's shapes fit the kernel for most projections
+    if isinstance(_model(quant).lm_head, Int4Weight):
+        _model(ref).lm_head = _model(quant).lm_head.dequantize()
+    for adapter in quant.engine._adapters.slots:
+        for a, b, _ in adapter.weights.values():
+            assert a.dtype == b.dtype == torch.float32  # LoRA weights are never quantised
+    prompt = sum(prompts_for(tokenizer, 2), [])
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    got, want = (llm.generate([prompt], score, adapter=name)[0].prompt_logprobs[1:] for llm in (quant, ref))
+    assert [g["logprob"] for g in got] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
+
+
+def test_compiled_int4_step_scores_as_the_eager_one(base, adapters, tokenizer, monkeypatch):
+    """--kernels int4 --dtype bfloat16 --compile on: Inductor's WOQ int4 GEMM reads the packed
+    weights; every compiled step of a base / LoRA / ICaRus batch is also run eagerly (ATen's
+    int4 kernel) on the same batch: the logits agree within bfloat16 rounding."""
+    llm = LLM(base, [adapters["lora-a"], adapters["icarus-a"]], compile="on", dtype="bfloat16", kernels="int4",
+              kv_cache_tokens=512, block_size=4)
+    runner = llm.engine.runner
+    step, pairs = runner.compiled.forward, []
+
+    def both(batch, kv_cache):
+        eager = runner.model.forward(batch, kv_cache, llm.engine._adapters.lookup)
+        compiled = step(batch, kv_cache)
+        pairs.append((compiled, eager))
+        return compiled
+
+    monkeypatch.setattr(runner.compiled, "forward", both)
+    prompts = prompts_for(tokenizer, 3)
+    engine = llm.engine
+    for p, n in zip(prompts, [None, "lora-a", "icarus-a"]):
+        engine.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True), adapter=n)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(pairs) >= 4
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=0.05 * float(want.abs().max()))
+
+
+def test_compile_takes_int4_with_bfloat16_activations(monkeypatch):
+    import kvshare.serve.compiled as compiled_module
+    from kvshare.errors import KvshareError
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KVSHARE_COMPILE", "auto")
+    monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: True)
+    assert compile_wanted("auto", cpu, torch.bfloat16, INT4)
+    assert not compile_wanted("auto", cpu, torch.float32, INT4)
+    with pytest.raises(KvshareError, match="bfloat16 activations"):
+        compile_wanted("on", cpu, torch.float32, INT4)
