@@ -79,7 +79,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
     g.add_argument("--kernels", default="auto",
                    help="kernel backends, comma-separated (torch: the references; cpu: the C++ CPU attention; "
-                   "int8: int8 weights; triton: GPU kernels); default auto: cpu on a CPU, torch on a GPU")
+                   "int8 / int4: weight-only int8 / int4 base; triton: GPU kernels); default auto: cpu on a "
+                   "CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run steps of up to 16 rows through torch.compile (Inductor, weights packed; each "
                    "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "

@@ -1,4 +1,4 @@
-"""``kvshare bench quant``: weight-only int8 (``--kernels int8``) against the float engine, in one run.
+"""``kvshare bench quant``: weight-only int8 and int4 (``--kernels int8``, ``--kernels int4``) against the float engine, in one run.
 
 Quality on the real model: greedy agreement with the float32 (torch reference) engine over
 chat prompts built from held-out HotpotQA questions (identical tokens, prompts identical to
@@ -142,7 +142,7 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
     model_dir = setup(model, threads)
     # quality is always measured against float32: in another dtype a float32 engine joins as the reference
     reference = "torch" if dtype == "float32" else "float32"
-    kinds = (["float32"] if reference == "float32" else []) + ["torch", "int8"] + (
+    kinds = (["float32"] if reference == "float32" else []) + ["torch", "int8", "int4"] + (
         ["onednn"] if "onednn" in backends("linear") and dtype == "float32" else [])
     kv = max(prefill_tokens, 256) + 16 * (64 + new_tokens) + prompts * (160 + new_tokens) + 1024
     engines = {k: LLM(model_dir, kv_cache_tokens=kv, max_num_batched_tokens=max(prefill_tokens, 512),
@@ -172,7 +172,7 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
     steps.update()
     results["perplexity"] = {k: _perplexity(engines[k], texts) for k in kinds}
     steps.update()
-    results["weight_bytes"] = {k: _weight_bytes(engines[k]) for k in kinds if k in ("float32", "torch", "int8")}
+    results["weight_bytes"] = {k: _weight_bytes(engines[k]) for k in kinds if k in ("float32", "torch", "int8", "int4")}
     speed = {k: {} for k in kinds}
     short = filler_prompt(tokenizer, 32)
     batch = [filler_prompt(tokenizer, 32 + i)[-32:] for i in range(16)]
@@ -241,6 +241,7 @@ def markdown(results: dict) -> str:
 def _label(kind: str, dtype: str) -> str:
     return {"float32": "torch (float32, the reference)", "torch": f"torch ({dtype})",
             "int8": f"int8 weights ({dtype} activations)",
+            "int4": f"int4 weights, groups of 32 ({dtype} activations)",
             "onednn": f"onednn ({dtype})"}.get(kind, kind)
 
 
