@@ -100,7 +100,9 @@ class Int8WeightOnlyLinear:
 
 def weight_bytes(prepared) -> int:
     """Bytes a prepared weight holds (an :class:`Int8Weight`, an :class:`Int4Weight` or a plain tensor)."""
-    return prepared.nbytes if isinstance(prepared, (Int8Weight, Int4Weight)) else prepared.numel() * prepared.element_size()
+    if isinstance(prepared, (Int8Weight, Int4Weight)):
+        return prepared.nbytes
+    return prepared.numel() * prepared.element_size()
 
 
 # --- weight-only int4 (backend "int4") -------------------------------------------------------

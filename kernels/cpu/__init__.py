@@ -65,7 +65,8 @@ def _build():
     folder.mkdir(parents=True, exist_ok=True)
     try:
         return load(name=f"kvshare_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(folder),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja: the reference serves, slower
         log.warning("kvshare: the C++ CPU attention kernel could not be built (%s); using the torch "
                     "reference", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -84,11 +85,10 @@ class Layout:
         device = meta.positions.device
         rows = len(meta.positions) if rows is None else rows
         self.row_lens = (meta.positions[:rows] + 1).to(torch.int32)
-        small = [s for s, (start, end) in enumerate(meta.seq_bounds) if end - start <= FEW_ROWS]
-        self.large = [s for s, (start, end) in enumerate(meta.seq_bounds) if end - start > FEW_ROWS]
-        self.seqs = torch.tensor(small, dtype=torch.int32, device=device)
-        self.starts = meta.query_start_loc.to(torch.int32).contiguous()
-        self.tables = meta.block_tables.to(torch.int32).contiguous()
+        few = [end - start <= FEW_ROWS for start, end in meta.seq_bounds]
+        self.large = [s for s, is_few in enumerate(few) if not is_few]
+        self.seqs = torch.tensor([s for s, is_few in enumerate(few) if is_few], dtype=torch.int32, device=device)
+        self.starts, self.tables = meta.query_start_loc, meta.block_tables  # int32, contiguous (the kernel checks)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout, meta: AttentionMetadata,
