@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvshare.kernels import Kernels
-from kvshare.kernels.quant import INT4_GROUP, Int4Weight, int4_fits, quantize_int4
+from kvshare.kernels.cpu import extension
+from kvshare.kernels.quant import EXPAND_ROWS, INT4_GROUP, Int4Weight, _int4_block_n, int4_fits, quantize_int4
 from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.compiled import compile_wanted
 
@@ -37,17 +38,44 @@ def test_quantisation_round_trip_is_within_half_a_step_per_group(dtype):
     assert torch.equal(q.dequantize()[3, :INT4_GROUP].float(), w[3, :INT4_GROUP].float())
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_apply_is_the_dequantised_product(rows):
+def _count_kernel_calls(monkeypatch) -> list:
+    calls, kernel = [], torch._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a) or kernel(*a))
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 5, 2 * EXPAND_ROWS])
+def test_apply_is_the_dequantised_product(rows, monkeypatch):
+    """Decode rows take PyTorch's int4 kernel; a chunk (EXPAND_ROWS rows or more) expands the
+    weight and takes the dense GEMM. Both are the dequantised product."""
     w = random_weight()
-    q = INT4.linear.prepare(w)
+    q, qb = INT4.linear.prepare(w), INT4.linear.prepare(w.bfloat16())
     x = torch.randn(2, rows, 96)
     bias = torch.randn(48)
-    torch.testing.assert_close(INT4.linear.apply(x, q, bias), x @ q.dequantize().T + bias, atol=1e-4, rtol=1e-5)
     xb = x.bfloat16()
-    qb = INT4.linear.prepare(w.bfloat16())
-    want = (xb.float() @ qb.dequantize().float().T).bfloat16()
-    torch.testing.assert_close(INT4.linear.apply(xb, qb), want, atol=0.05, rtol=0.02)
+    want, want_b = x @ q.dequantize().T + bias, (xb.float() @ qb.dequantize().float().T).bfloat16()
+    assert _int4_block_n()  # probed (with the kernel) before the count starts
+    calls = _count_kernel_calls(monkeypatch)
+    torch.testing.assert_close(INT4.linear.apply(x, q, bias), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(INT4.linear.apply(xb, qb), want_b, atol=0.05, rtol=0.02)
+    assert len(calls) == (2 if 2 * rows < EXPAND_ROWS else 0)
+
+
+def test_the_packed_layout_is_found_here():
+    """Chunks expand only where the packed layout is known; on this suite's machines it must
+    be, or the expansion tests below would compare nothing."""
+    assert _int4_block_n() in (32, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out", [16, 48, 64, 80, 192])  # short blocks, full blocks, both
+def test_expansion_equals_the_kernels_own_dequantisation(out, dtype):
+    q = quantize_int4(random_weight(out=out, dtype=dtype, seed=out))
+    expanded = extension().int4_expand(q.packed, q.scales_zeros, q.group, _int4_block_n())
+    assert expanded.shape == (96, out) and expanded.dtype == dtype
+    torch.testing.assert_close(expanded, q.dequantize().t(), atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="block_n"):
+        extension().int4_expand(q.packed, q.scales_zeros, q.group, 48)
 
 
 def test_weights_the_kernel_cannot_take_stay_float():

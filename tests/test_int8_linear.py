@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvshare.kernels import Kernels
-from kvshare.kernels.quant import QMAX, Int8Weight, Int8WeightOnlyLinear, quantize_per_channel
+from kvshare.kernels.quant import EXPAND_ROWS, QMAX, Int8Weight, Int8WeightOnlyLinear, quantize_per_channel
 from kvshare.serve import LLM, SamplingParams
 
 from conftest import assert_one_line_error
@@ -83,6 +83,22 @@ def test_the_packed_kernel_is_kept_to_inputs_it_handles():
     assert view.data_ptr() % 16
     torch.testing.assert_close(Int8WeightOnlyLinear.apply(view, qw).double(),
                                F.linear(view.double(), qw.dequantize().double()), atol=0.05, rtol=2 ** -6)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="no packed int8 kernel in this torch")
+def test_chunks_expand_the_weight_and_decode_rows_take_the_packed_kernel(monkeypatch):
+    """The packed kernel's cost grows with the rows; from EXPAND_ROWS rows on the weight is
+    expanded for the dense GEMM (kernels/quant.py). Both give the dequantised product."""
+    calls, kernel = [], torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(a) or kernel(*a))
+    qw = quantize_per_channel(random_weight(dtype=torch.bfloat16))
+    assert qw.packed_kernel
+    for rows, kernel_calls in ((EXPAND_ROWS - 1, 1), (EXPAND_ROWS, 0), (4 * EXPAND_ROWS, 0)):
+        calls.clear()
+        x = torch.randn(rows, 80, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        torch.testing.assert_close(Int8WeightOnlyLinear.apply(x, qw).double(),
+                                   F.linear(x.double(), qw.dequantize().double()), atol=0.05, rtol=2 ** -6)
+        assert len(calls) == kernel_calls
 
 
 def test_error_against_the_float_weights_is_within_the_rounding_bound():

@@ -29,7 +29,7 @@ from ..metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: SDPA's matrix units win
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
 
@@ -59,17 +59,17 @@ def _build():
 
     from ...paths import kvshare_home
 
-    source = _SOURCE.read_text()
-    digest = hashlib.sha256("\0".join((source, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
+    sources = [path.read_text() for path in _SOURCES]
+    digest = hashlib.sha256("\0".join((*sources, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
     folder = kvshare_home() / "ext" / f"cpu-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=f"kvshare_cpu_{digest}", sources=[str(_SOURCE)], build_directory=str(folder),
+        return load(name=f"kvshare_cpu_{digest}", sources=[str(path) for path in _SOURCES], build_directory=str(folder),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja: the reference serves, slower
-        log.warning("kvshare: the C++ CPU attention kernel could not be built (%s); using the torch "
-                    "reference", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.warning("kvshare: the C++ CPU kernels could not be built (%s); using the torch "
+                    "references", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
 
 

@@ -221,5 +221,3 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
     default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16");
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
