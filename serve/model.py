@@ -116,8 +116,8 @@ class Model:
             rope_cos, rope_sin = (t[0] for t in self.rotary(h, torch.arange(fork.max_context, device=h.device)[None]))
 
         def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            """Add each row's LoRA delta to a fused projection's output."""
-            return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused])) if groups else y
+            """Add each row's LoRA delta to a fused projection's output (``y``, just computed: in place)."""
+            return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused]), inplace=True) if groups else y
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             if stream is not None:

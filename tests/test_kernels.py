@@ -80,6 +80,9 @@ def test_gathered_lora_equals_a_per_row_loop():
             a, b, s = weights[slot]
             want += (b @ (a @ x[r])) * s
         torch.testing.assert_close(got[r], want)
+    same = base.clone()
+    assert REF.gathered_lora(x, same, lora_groups(index.tolist()), weights, inplace=True) is same  # the engine's way
+    torch.testing.assert_close(same, got, atol=0, rtol=0)
 
 
 def test_dispatch_refuses_unknown_backends():

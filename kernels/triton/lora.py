@@ -234,8 +234,10 @@ def lora_expand(xa: torch.Tensor, b_stack: torch.Tensor, scales: torch.Tensor, s
 
 
 def gathered_lora(x: torch.Tensor, base_out: torch.Tensor, groups: list[tuple[int, torch.Tensor]],
-                  weights: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> torch.Tensor:
-    """Add each row's adapter delta to ``base_out`` (rows, out); returns a new tensor.
+                  weights: list[tuple[torch.Tensor, torch.Tensor, float] | None],
+                  inplace: bool = False) -> torch.Tensor:
+    """Add each row's adapter delta to ``base_out`` (rows, out); returns a new tensor, or
+    (``inplace``, where ``base_out`` is contiguous) ``base_out`` itself, updated.
 
     Same contract as :func:`kvshare.kernels.lora.gathered_lora_ref`.
     """
@@ -244,5 +246,6 @@ def gathered_lora(x: torch.Tensor, base_out: torch.Tensor, groups: list[tuple[in
         return base_out
     stacked = stack_lora_weights(weights)
     xa = lora_shrink(x, stacked.a, segments)
-    return lora_expand(xa, stacked.b, stacked.scales, segments, base_out.clone(memory_format=torch.contiguous_format))
+    out = base_out if inplace and base_out.is_contiguous() else base_out.clone(memory_format=torch.contiguous_format)
+    return lora_expand(xa, stacked.b, stacked.scales, segments, out)
 

@@ -4,7 +4,7 @@
 (8 agents, 8 turns, 1536-token contexts, 32 tokens, QPS 1, bfloat16) one mode at a time, with
 a timer around ``ModelRunner.run`` (one forward each), and prints per mode the makespan and, for
 steps run compiled and eager (``+prompt``: with a prompt chunk), their count, total and mean
-time and mean rows.
+time, mean rows and the rows of prompt chunks among them.
 """
 
 import collections
@@ -23,6 +23,7 @@ def timed_run(self, plans, adapters):
     start = time.perf_counter()
     out = _run(self, plans, adapters)
     steps.append({"seconds": time.perf_counter() - start, "rows": sum(p.num_rows for p in plans),
+                  "prompt_rows": sum(p.num_rows for p in plans if p.n_compute > 1),
                   "prompt": any(p.n_compute > 1 for p in plans),
                   "compiled": self.compiled is not None and self.compiled.steps > before})
     return out
@@ -42,4 +43,5 @@ if __name__ == "__main__":
         for name, group in sorted(groups.items()):
             total = sum(s["seconds"] for s in group)
             print(f"  {name:16s} {len(group):5d} steps  {total:7.1f} s  {1000 * total / len(group):7.1f} ms each  "
-                  f"{sum(s['rows'] for s in group) / len(group):6.1f} rows each")
+                  f"{sum(s['rows'] for s in group) / len(group):6.1f} rows each  "
+                  f"{sum(s['prompt_rows'] for s in group):6d} prompt rows")
