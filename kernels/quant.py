@@ -191,7 +191,8 @@ def _int4_block_n() -> int | None:
 
         found = None
         if extension() is not None:
-            probe = quantize_int4(torch.randn(80, 64, generator=torch.Generator().manual_seed(0)))  # a full and a short block
+            # 80 channels: a full block and a short one on either layout
+            probe = quantize_int4(torch.randn(80, 64, generator=torch.Generator().manual_seed(0)))
             truth = probe.dequantize().t()
             for block_n in (64, 32):
                 expanded = extension().int4_expand(probe.packed, probe.scales_zeros, probe.group, block_n)

@@ -1,8 +1,9 @@
-// Weight-only int4 to float (w = (q - 8) * scale + zero, as PyTorch's kernel computes it), for prompt chunks: PyTorch's CPU int4 kernel
-// (_weight_int4pack_mm_for_cpu) walks the rows four at a time with vector FMAs, so its cost
-// grows with the rows while a dense GEMM on the matrix units barely does (at 512 rows of a
-// 1536x576 weight, bfloat16: 5.7 ms against 0.45 ms). A chunk instead expands the weight
-// once and takes the dense GEMM. PyTorch has no public unpack of its packed layout, hence this.
+// Weight-only int4 to float (w = (q - 8) * scale + zero, as PyTorch's kernel computes it),
+// for prompt chunks. PyTorch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) walks the rows
+// four at a time with vector FMAs, so its cost grows with the rows while a dense GEMM on the
+// matrix units barely does (at 512 rows of a 1536x576 weight, bfloat16: 5.7 ms against
+// 0.45 ms). A chunk instead expands the weight once and takes the dense GEMM. PyTorch has no
+// public unpack of its packed layout, hence this.
 //
 // The packed layout is ATen's weight_to_int4pack_kernel (aten/src/ATen/native/cpu/int4mm_kernel.cpp):
 // output channels in blocks of block_n (64 on AVX-512, 32 otherwise), each block stored as K
@@ -44,7 +45,8 @@ void expand(const uint8_t* packed, const T* scales_zeros, T* out, int64_t n_out,
         } else {
           for (int64_t j = 0; j < half; ++j) {
             o[2 * j] = static_cast<T>((static_cast<float>(row[j] & 15) - 8.0f) * scale[2 * j] + zero[2 * j]);
-            o[2 * j + 1] = static_cast<T>((static_cast<float>(row[j] >> 4) - 8.0f) * scale[2 * j + 1] + zero[2 * j + 1]);
+            o[2 * j + 1] =
+                static_cast<T>((static_cast<float>(row[j] >> 4) - 8.0f) * scale[2 * j + 1] + zero[2 * j + 1]);
           }
         }
       }
