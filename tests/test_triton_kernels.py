@@ -192,6 +192,9 @@ def test_gathered_lora_equals_the_reference():
     assert torch.equal(got[unadapted], base[unadapted])
     # only adapters that leave the projection alone: nothing to add
     assert torch.equal(FAST.gathered_lora(x, base, lora_groups([1] * rows, DEVICE), weights), base)
+    # the engine's way: into the projection output it has just computed
+    assert FAST.gathered_lora(x, kept, groups, weights, inplace=True) is kept
+    torch.testing.assert_close(kept, got, atol=0, rtol=0)
 
 
 def test_lora_shrink_writes_into_a_given_buffer():

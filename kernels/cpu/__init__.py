@@ -12,6 +12,9 @@ It is built with ``torch.utils.cpp_extension`` (the compiler Inductor uses too) 
 (hence the CPU in the digest). Where it cannot be built (no compiler), the backend is the
 torch reference, with one warning. Sequences with more rows than :data:`FEW_ROWS` (prompt
 chunks, compute-bound) take SDPA, which uses the CPU's matrix units.
+
+The same extension unpacks PyTorch's packed int4 weights for prompt chunks
+(:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`).
 """
 
 from __future__ import annotations
