@@ -69,6 +69,29 @@ def test_cpu_kernel_in_half_precision_stays_within_rounding(dtype):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def _has_amx() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return {"amx_tile", "amx_bf16", "avx512f"} <= set(flags)
+
+
+def test_bfloat16_with_64_dim_heads_takes_amx_where_the_cpu_has_it():
+    """Else the AMX path below would be tested only where it does not run."""
+    assert cpu.extension().paged_attention_uses_amx() == _has_amx()
+
+
+@pytest.mark.parametrize("block", [16, 5, 32])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block):
+    """The AMX path (where the CPU has it): tiles of 16 keys across blocks of 5, 16 and 32 keys,
+    groups of 1 to 8 vectors (ICaRus pairs at GQA 4 fill one), rows of unequal lengths."""
+    gen = torch.Generator().manual_seed(block + heads[0])
+    q, k_cache, v_cache, meta = _case(gen, LAYOUTS[layout], *heads, 64, block, torch.bfloat16)
+    got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
 def test_only_the_sequences_asked_for_are_written():
     gen = torch.Generator().manual_seed(4)
     q, k_cache, v_cache, meta = _case(gen, [[10], [20, 20], [5]], 6, 2, 64, 16, torch.float32)

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -49,22 +50,47 @@ struct Cache {
   int64_t block, token, head;  // strides in elements
 };
 
-// Each of one KV head's rows 0..longest-1 (keys or values) in float in ``row``, block by block
-// with the next block prefetched, handed to fn(t)
+// One KV head's rows 0..longest-1 (keys or values) block by block, the next block prefetched:
+// fn(first row of the block in that head, its first token, its row count)
+template <typename T, typename Fn>
+__attribute__((always_inline)) inline void for_each_block(const T* base, const Cache& c, const int32_t* table,
+                                                          int64_t block_size, int64_t longest, int64_t d, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
+    if (t0 + block_size < longest)
+      prefetch_block(base + table[t0 / block_size + 1] * c.block, std::min(block_size, longest - t0 - block_size),
+                     c.token, d);
+    fn(base + table[t0 / block_size] * c.block, t0, std::min(block_size, longest - t0));
+  }
+}
+
+// Each of one KV head's rows 0..longest-1 in float in ``row``, handed to fn(t)
 template <typename T, typename Fn>
 __attribute__((always_inline)) inline void for_each_row(const T* base, const Cache& c, const int32_t* table,
                                                         int64_t block_size, int64_t longest, int64_t d, float* row,
                                                         Fn&& fn) {
-  for (int64_t t0 = 0; t0 < longest; t0 += block_size) {
-    const T* block = base + table[t0 / block_size] * c.block;
-    if (t0 + block_size < longest)
-      prefetch_block(base + table[t0 / block_size + 1] * c.block, std::min(block_size, longest - t0 - block_size),
-                     c.token, d);
-    const int64_t in_block = std::min(block_size, longest - t0);
+  for_each_block(base, c, table, block_size, longest, d, [&](const T* block, int64_t t0, int64_t in_block) {
     for (int64_t o = 0; o < in_block; ++o) {
       load_row(block + o * c.token, row, d);
       fn(t0 + o);
     }
+  });
+}
+
+// Softmax of each of g score rows over the row's own keys (the rest weigh 0); the sums in total
+inline void softmax_rows(float* sc, const int64_t* lens, int64_t longest, int64_t g, float* total) {
+  for (int64_t j = 0; j < g; ++j) {
+    float* s = sc + j * longest;
+    const int64_t n = lens[j];
+    float top = -3.0e38f;
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    for (int64_t t = n; t < longest; ++t) s[t] = 0.f;
+    total[j] = sum;
   }
 }
 
@@ -86,20 +112,7 @@ void attend_group(const float* qf, const int64_t* lens, int64_t longest, int64_t
       sc[j * longest + t] = dot;
     }
   });
-  for (int64_t j = 0; j < g; ++j) {  // softmax over the row's own keys; the rest weigh 0
-    float* s = sc + j * longest;
-    const int64_t n = lens[j];
-    float top = -3.0e38f;
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - top);
-      sum += s[t];
-    }
-    for (int64_t t = n; t < longest; ++t) s[t] = 0.f;
-    total[j] = sum;
-  }
+  softmax_rows(sc, lens, longest, g, total);
   // weighted values: one read of each value row
   alignas(64) float acc[(G ? G : kGroup) * (D ? D : 1024)];
   std::fill(acc, acc + g * d, 0.f);
@@ -132,6 +145,161 @@ GroupFn<T, D> group_fn(int64_t g) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+// Bfloat16 caches with 64-dim heads (SmolLM2's and many small models') on CPUs with AMX,
+// where the kernel lets this process use it. Why a second path: the generic score pass takes
+// one horizontal sum per key and query vector, which costs more than reading the key once a
+// group has more than about 3 vectors (an ICaRus pair of 3 query heads per KV head has 6). On
+// AMX one tile product per 16 keys and 32 dims gives every vector's dot products at once
+// (exact bfloat16 products, float sums), so the score pass costs the same for a pair as for
+// one row. The weighted values stay float FMAs with the accumulators in registers (an AMX
+// value pass, with the weights split into two bfloat16 parts to keep float accuracy, measured
+// no faster: it needs the values re-laid out pairwise by key).
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVSHARE_AMX 1
+
+bool amx_allowed() {
+  static const bool allowed = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return allowed;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Scores (times scale) of G query vectors, q as raw bfloat16 (G x 64), over the keys that
+// walk(tile) hands out (tile(first key row, rows <= 16, first token)), into sc[j * longest + t].
+// Tiles: 0 scores (16 keys x 16 vectors, float), 1-2 the keys' halves (16 keys x 32 dims),
+// 3-4 the query vectors' halves (16 dim pairs x 16 vectors; vectors past G are zero).
+template <int G, typename Walk>
+void score_pass_amx(const c10::BFloat16* q, float scale, int64_t token_stride, float* sc, int64_t longest,
+                    Walk&& walk) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  alignas(64) uint32_t b[2][16][16] = {};  // [half][dim pair][vector]
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int j = 0; j < G; ++j)
+    for (int pair = 0; pair < 32; ++pair) b[pair / 16][pair % 16][j] = pairs[j * 32 + pair];
+  _tile_loadd(3, b[0], 64);
+  _tile_loadd(4, b[1], 64);
+  alignas(64) float out[16][16];
+  alignas(64) c10::BFloat16 padded[16 * 64];
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512 by = _mm512_set1_ps(scale);
+  walk([&](const c10::BFloat16* keys, int64_t n, int64_t t0) {
+    int64_t stride = token_stride;
+    if (n < 16) {  // a tile's rows past its block's end may lie past the pool's
+      std::memset(padded, 0, sizeof(padded));
+      for (int64_t t = 0; t < n; ++t) std::memcpy(padded + t * 64, keys + t * stride, 64 * sizeof(c10::BFloat16));
+      keys = padded;
+      stride = 64;
+    }
+    _tile_zero(0);
+    _tile_loadd(1, keys, stride * sizeof(c10::BFloat16));
+    _tile_loadd(2, keys + 32, stride * sizeof(c10::BFloat16));
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, out, 64);
+    const __mmask16 mask = n < 16 ? static_cast<__mmask16>((1u << n) - 1) : static_cast<__mmask16>(0xffff);
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j)  // column j of out: vector j's scores
+      _mm512_mask_storeu_ps(sc + j * longest + t0, mask, _mm512_mul_ps(_mm512_i32gather_ps(column, &out[0][j], 4), by));
+  });
+  _tile_release();
+}
+
+// Weighted values of G vectors' weights sc (G x longest) in float FMAs, into acc_out (G x 64)
+template <int G>
+void value_pass(const float* sc, int64_t longest, const c10::BFloat16* vbase, const Cache& vc, const int32_t* table,
+                int64_t block_size, float* acc_out) {
+  __m512 acc[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for_each_block(vbase, vc, table, block_size, longest, 64, [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
+    for (int64_t o = 0; o < in_block; ++o) {
+      const c10::BFloat16* v = block + o * vc.token;
+      __m512 row[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)  // bfloat16 to float: the 16 bits on top
+        row[c] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m512 p = _mm512_set1_ps(sc[j * longest + t0 + o]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);
+      }
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + j * 64 + 16 * c, acc[j][c]);
+}
+
+// attend_group for bfloat16 and 64 dims on AMX: q holds G raw bfloat16 query vectors
+template <int G>
+void attend_group_amx(const c10::BFloat16* q, const int64_t* lens, int64_t longest, float scale,
+                      const c10::BFloat16* kbase, const c10::BFloat16* vbase, const Cache& kc, const Cache& vc,
+                      const int32_t* table, int64_t block_size, float* sc, float* total, float* acc_out) {
+  score_pass_amx<G>(q, scale, kc.token, sc, longest, [&](auto&& tile) {
+    for_each_block(kbase, kc, table, block_size, longest, 64,
+                   [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
+                     for (int64_t o = 0; o < in_block; o += 16)
+                       tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
+                   });
+  });
+  softmax_rows(sc, lens, longest, G, total);
+  value_pass<G>(sc, longest, vbase, vc, table, block_size, acc_out);
+}
+
+using AmxGroupFn = void (*)(const c10::BFloat16*, const int64_t*, int64_t, float, const c10::BFloat16*,
+                            const c10::BFloat16*, const Cache&, const Cache&, const int32_t*, int64_t, float*, float*,
+                            float*);
+
+inline AmxGroupFn amx_group_fn(int64_t g) {
+  switch (g) {
+    case 1: return attend_group_amx<1>;
+    case 2: return attend_group_amx<2>;
+    case 3: return attend_group_amx<3>;
+    case 4: return attend_group_amx<4>;
+    case 5: return attend_group_amx<5>;
+    case 6: return attend_group_amx<6>;
+    case 7: return attend_group_amx<7>;
+    default: return attend_group_amx<8>;
+  }
+}
+#endif
+
+// Whether groups of this dtype and head size take the AMX path here
+template <typename T, int D>
+bool amx_applies() {
+#ifdef KVSHARE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16> && D == 64) return amx_allowed();
+#endif
+  return false;
+}
+
+// The AMX group function, for the types amx_applies to
+template <typename T>
+void attend_group_amx_for(int64_t g, const T* raw_q, const int64_t* lens, int64_t longest, float scale,
+                          const T* kbase, const T* vbase, const Cache& kc, const Cache& vc, const int32_t* table,
+                          int64_t block_size, float* sc, float* total, float* acc_out) {
+#ifdef KVSHARE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    amx_group_fn(g)(raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, sc, total, acc_out);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "no AMX path for this dtype");
+}
+
 // Every row of one sequence for one KV head, kGroup query vectors at a time.
 template <typename T, int D>
 void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
@@ -143,6 +311,8 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
   const T* vbase = reinterpret_cast<const T*>(vc.base) + kv_head * vc.head;
   const int64_t vectors = rows * ratio;
   std::vector<float> qf(kGroup * d), acc(kGroup * d);
+  std::vector<T> raw(kGroup * d);
+  T* raw_q = amx_applies<T, D>() ? raw.data() : nullptr;  // the AMX path takes the query vectors as they are
   for (int64_t first = 0; first < vectors; first += kGroup) {
     const int64_t g = std::min<int64_t>(kGroup, vectors - first);
     int64_t lens[kGroup], longest = 0;
@@ -151,12 +321,19 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
       lens[j] = row_lens[r];
       longest = std::max(longest, lens[j]);
       const T* src = q + r * q_row + h * q_head;
-      for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]) * scale;
+      if (raw_q)
+        std::copy(src, src + d, raw_q + j * d);
+      else
+        for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(src[i]) * scale;
     }
     if (static_cast<int64_t>(scores.size()) < g * longest) scores.resize(g * longest);
     float total[kGroup];
-    auto fn = D ? group_fn<T, D>(g) : attend_group<T, 0, 0>;
-    fn(qf.data(), lens, longest, g, d, kbase, vbase, kc, vc, table, block_size, scores.data(), total, acc.data());
+    if (raw_q)
+      attend_group_amx_for(g, raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, scores.data(),
+                           total, acc.data());
+    else
+      (D ? group_fn<T, D>(g) : attend_group<T, 0, 0>)(qf.data(), lens, longest, g, d, kbase, vbase, kc, vc, table,
+                                                      block_size, scores.data(), total, acc.data());
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = first_row + (first + j) / ratio, h = kv_head * ratio + (first + j) % ratio;
       T* dst = out + r * out_row + h * out_head;
@@ -221,3 +398,6 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
     default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16");
   }
 }
+
+// Whether bfloat16 caches with 64-dim heads take the AMX path on this machine
+bool paged_attention_uses_amx() { return amx_applies<c10::BFloat16, 64>(); }
