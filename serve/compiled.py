@@ -180,8 +180,10 @@ class _Decoder(torch.nn.Module):
         weights = dict(zip(PARTS, zip(stacks[0::2], stacks[1::2])))
 
         def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale)
-                      for name, _ in self.model.fused[fused]]
+            parts = [name for name, _ in self.model.fused[fused]]
+            if all(weights[name][0].shape[-2] == 0 for name in parts):  # no adapter adapts these
+                return y
+            deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name in parts]
             return y + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
 
         return self._run(tokens, positions, adapt)
@@ -323,15 +325,23 @@ class CompiledStep:
                 self.recompiles += 1
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
 
-    def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False,
+                adapters: AdapterSet | None = None) -> None:
         """Compile the given buckets now (default: all), the graph for steps without adapters or
         (``adapted``) with, so that no request waits for a compile. The warm-up step has no real
         rows: nothing is written or read. The graph with adapters is compiled for slot stacks of
-        the current rank (at least the smallest): adapters of a higher rank compile it again."""
+        the current rank (at least the smallest) and the projections ``adapters`` adapts (every
+        projection where none is loaded): adapters of a higher rank, or of a projection not yet
+        adapted, compile it again."""
         empty = build_attention_metadata([], [], [], [], 1, kv_cache.device)
         todo = [size for size in (sizes or self.buckets) if (size, adapted) not in self.traced]
-        if adapted and todo and self.lora.allocate():
-            self.traced = {key for key in self.traced if not key[1]}
+        if adapted and todo:
+            # the stacks and projections of the adapters loaded, or, with none, every projection
+            changed = self.lora.sync(adapters) if adapters is not None else False
+            changed = self.lora.allocate() or changed
+            changed = (not self.lora.parts and self.lora.adapt_parts(set(PARTS))) or changed
+            if changed:
+                self.traced = {key for key in self.traced if not key[1]}
         device = kv_cache.device
         for size in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias

@@ -220,7 +220,7 @@ class LLMEngine:
         compiled = self.runner.compiled
         if compiled is not None:
             sizes = tuple(sorted({b for b in map(compiled.bucket, rows) if b is not None})) if rows else None
-            compiled.warm_up(self.runner.kv_cache, sizes, adapters)
+            compiled.warm_up(self.runner.kv_cache, sizes, adapters, self._adapters)
 
     def has_unfinished(self) -> bool:
         return self._scheduler.has_work()

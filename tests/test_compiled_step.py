@@ -265,3 +265,30 @@ def test_adapters_load_into_the_slots_without_a_recompile(base, adapters, tokeni
     steps = runner.compiled.steps
     got, want = (_generate(llm, prompt, ["icarus-b"], params)[0].token_ids for llm in (compiled, eager))
     assert got == want and runner.compiled.steps > steps and runner.compiled.recompiles == 0
+
+
+def test_a_projection_adapted_later_compiles_the_graph_again(base, adapters, tokenizer):
+    """ICaRus adapters leave k/v to the base: the graph adapts 5 projections (k/v get rank-0
+    stacks). A LoRA adapter loaded later adapts all 7: the graph with adapters compiles again
+    (not counted as a failed guard), and every output still equals the eager engine's."""
+    from kvshare.serve.lora_slots import PARTS
+
+    compiled = LLM(base, [adapters["icarus-a"]], compile="on", **SETTINGS)
+    eager = LLM(base, [adapters["icarus-a"]], compile="off", **SETTINGS)
+    step = compiled.engine.runner.compiled
+    prompt = prompts_for(tokenizer, 1)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    def same_as_eager(name: str) -> None:
+        steps = step.steps
+        got, want = (_generate(llm, prompt, [name], params)[0].token_ids for llm in (compiled, eager))
+        assert got == want and step.steps > steps
+
+    same_as_eager("icarus-a")
+    assert step.lora.parts == ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert [t.shape[-2] for t in step.lora.inputs()[2:6]] == [0, 0, 0, 0]  # k and v: A and B
+    for llm in (compiled, eager):
+        llm.engine.load_adapter(adapters["lora-a"])
+    same_as_eager("lora-a")
+    same_as_eager("icarus-a")
+    assert step.lora.parts == PARTS and step.recompiles == 0
