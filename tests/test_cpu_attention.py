@@ -79,12 +79,22 @@ def test_bfloat16_with_64_dim_heads_takes_amx_where_the_cpu_has_it():
     assert cpu.extension().paged_attention_uses_amx() == _has_amx()
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "generic"])
+def amx(request):
+    """Both paths of bfloat16 64-dim heads (on a CPU without AMX both are the generic one)."""
+    ext = cpu.extension()
+    ext.paged_attention_set_amx(request.param)
+    yield request.param and _has_amx()
+    ext.paged_attention_set_amx(True)
+
+
 @pytest.mark.parametrize("block", [16, 5, 32])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block):
-    """The AMX path (where the CPU has it): tiles of 16 keys across blocks of 5, 16 and 32 keys,
-    groups of 1 to 8 vectors (ICaRus pairs at GQA 4 fill one), rows of unequal lengths."""
+def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block, amx):
+    """Tiles of 16 keys across blocks of 5, 16 and 32 keys, groups of 1 to 8 vectors (ICaRus
+    pairs at GQA 4 fill one), rows of unequal lengths; the AMX path and the generic one."""
+    assert cpu.extension().paged_attention_uses_amx() == amx
     gen = torch.Generator().manual_seed(block + heads[0])
     q, k_cache, v_cache, meta = _case(gen, LAYOUTS[layout], *heads, 64, block, torch.bfloat16)
     got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <cmath>
 #include <cstring>
@@ -160,12 +161,14 @@ GroupFn<T, D> group_fn(int64_t g) {
 #include <unistd.h>
 #define KVSHARE_AMX 1
 
+std::atomic<bool> amx_wanted{true};  // paged_attention_set_amx: off runs the generic path (benchmarks, tests)
+
 bool amx_allowed() {
-  static const bool allowed = [] {
+  static const bool permitted = [] {
     constexpr int kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
-  return allowed;
+  return permitted && amx_wanted.load(std::memory_order_relaxed);
 }
 
 struct alignas(64) TileConfig {
@@ -401,3 +404,10 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
 
 // Whether bfloat16 caches with 64-dim heads take the AMX path on this machine
 bool paged_attention_uses_amx() { return amx_applies<c10::BFloat16, 64>(); }
+
+// Let them take it where the machine allows (the default) or not: the generic path
+void paged_attention_set_amx(bool on) {
+#ifdef KVSHARE_AMX
+  amx_wanted.store(on, std::memory_order_relaxed);
+#endif
+}

@@ -3,8 +3,9 @@
 ``python results/cpu-attention/thirty_layers.py`` builds a block-major bfloat16 KV memory of
 8 sequences of 1500-2000 tokens in shuffled blocks (30 layers; about 330 MB, far beyond the
 caches) and times, per step (every layer once, as a decode step does, writing each sequence's new K/V): the compiled CPU step's
-torch path (:class:`StepAttention`: gather, then one SDPA call) and the C++ kernel (``cpu``),
-for decode rows and ICaRus pairs. Each figure is the mean of 20 steps after one untimed.
+torch path (:class:`StepAttention`: gather, then one SDPA call) and the C++ kernel (``cpu``:
+its generic path, and ``cpu+amx``: AMX scores, where the CPU has AMX), for decode rows and
+ICaRus pairs. Each figure is the mean of 20 steps after one untimed.
 """
 
 import random
@@ -52,9 +53,15 @@ if __name__ == "__main__":
         q = torch.randn(len(row_seq), HEADS, D).bfloat16()
         k, v = (torch.randn(len(row_seq), KV_HEADS, D).bfloat16() for _ in range(2))
         times = {}
-        for name, kernel in (("torch (gather + SDPA)", False), ("cpu (C++ kernel)", True)):
+        for name, kernel, amx in (("torch", False, False), ("cpu", True, False), ("cpu+amx", True, True)):
+            cpu.extension().paged_attention_set_amx(amx)
+            if amx and not cpu.extension().paged_attention_uses_amx():
+                continue  # no AMX here: "cpu" is the kernel's whole story
             attention = StepAttention(meta, len(row_seq), ratio, kernel)
             times[name] = step_ms(lambda: [attention(q, k, v, views[i][0], views[i][1], D ** -0.5, *views[i][2:])
                                            for i in range(LAYERS)])
-        torch_ms, cpu_ms = times.values()
-        print(f"{what:12s} torch {torch_ms:6.1f} ms  cpu {cpu_ms:6.1f} ms  torch / cpu {torch_ms / cpu_ms:.2f}x")
+        cpu.extension().paged_attention_set_amx(True)
+        by_name = "  ".join(f"{name} {ms:6.1f} ms" for name, ms in times.items())
+        best = min(times["cpu"], times.get("cpu+amx", times["cpu"]))
+        print(f"{what:12s} {by_name}  torch / best cpu {times['torch'] / best:.2f}x"
+              + (f"  generic / amx {times['cpu'] / times['cpu+amx']:.2f}x" if "cpu+amx" in times else ""))
