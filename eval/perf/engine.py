@@ -192,25 +192,27 @@ def _engine_figures(llm: LLM, hf, short: list[int], batch: list[list[int]], pref
                     new_tokens: int, model_dir: Path, steps) -> dict:
     """One engine's decode, prefill and ICaRus-step figures; with ``hf``, transformers' beside them."""
     figures: dict = {}
-    if llm.engine.runner.compiled is not None:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair
-        start = time.perf_counter()
-        llm.engine.warm_up((1, 16))
-        llm.engine.warm_up((2,), adapters=True)
-        figures["compile_s"] = {"kvshare": time.perf_counter() - start}
-    for key, prompts in (("decode_b1", [short]), ("decode_b16", batch)):
-        engine_decode_rate(llm, prompts, 4)  # warm-up: a GPU loads each kernel on first use
-        llm.engine.reset_prefix_cache()
-        figures[key] = {"kvshare": engine_decode_rate(llm, prompts, new_tokens)}
-        if hf is not None:
-            figures[key]["hf"] = _hf_decode_rate(hf, prompts, new_tokens)
-        steps.update()
-    for length, prompt in prefill_prompts.items():
-        figures[f"prefill_{length}"] = {"kvshare": _engine_prefill_rate(llm, prompt)}
-        if hf is not None:
-            figures[f"prefill_{length}"]["hf"] = _hf_prefill_rate(hf, prompt)
-        steps.update()
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-") as tmp:
+        # loaded before the warm-up, as a deployment loads its adapters: the graph with adapters
+        # is compiled for the projections this adapter adapts (ICaRus: no k/v)
         icarus = llm.engine.load_adapter(random_adapter("icarus", model_dir, tmp, "icarus-step", seed=0))
+        if llm.engine.runner.compiled is not None:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair
+            start = time.perf_counter()
+            llm.engine.warm_up((1, 16))
+            llm.engine.warm_up((2,), adapters=True)
+            figures["compile_s"] = {"kvshare": time.perf_counter() - start}
+        for key, prompts in (("decode_b1", [short]), ("decode_b16", batch)):
+            engine_decode_rate(llm, prompts, 4)  # warm-up: a GPU loads each kernel on first use
+            llm.engine.reset_prefix_cache()
+            figures[key] = {"kvshare": engine_decode_rate(llm, prompts, new_tokens)}
+            if hf is not None:
+                figures[key]["hf"] = _hf_decode_rate(hf, prompts, new_tokens)
+            steps.update()
+        for length, prompt in prefill_prompts.items():
+            figures[f"prefill_{length}"] = {"kvshare": _engine_prefill_rate(llm, prompt)}
+            if hf is not None:
+                figures[f"prefill_{length}"]["hf"] = _hf_prefill_rate(hf, prompt)
+            steps.update()
         base_step = _engine_step_time(llm, short, None)
         pair_step = _engine_step_time(llm, short, icarus)
         llm.engine.unload_adapter(icarus)
