@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -145,17 +146,23 @@ def test_two_nodes_on_loopback_train_in_sync(tmp_path, tiny_models, toy_data):
     accelerate = Path(sys.executable).with_name("accelerate")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(_free_port())
+    # output to files, not pipes: reading one node's pipes while the other's fill up would
+    # block that node in a write, and its peer in the next collective (a hang seen in CI)
+    logs = [open(tmp_path / f"node{rank}.log", "w") for rank in (0, 1)]
     nodes = [subprocess.Popen([str(accelerate), "launch", "--config_file", str(config), "--machine_rank", str(rank),
                                "--main_process_ip", "127.0.0.1", "--main_process_port", port,
                                "-m", "kvshare.train", str(path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in (0, 1)]
+                              stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+             for rank, log in zip((0, 1), logs)]
     try:
-        results = [node.communicate(timeout=300) for node in nodes]
-    finally:
         for node in nodes:
-            node.kill()
-    for node, (_, err) in zip(nodes, results):
-        assert node.returncode == 0, err[-3000:]
+            node.wait(timeout=300)
+    finally:
+        for node, log in zip(nodes, logs):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)  # the launcher and the training process it started
+            log.close()
+    for rank, node in enumerate(nodes):
+        assert node.returncode == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "run-icarus" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["ranks_in_sync"] is True

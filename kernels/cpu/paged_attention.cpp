@@ -6,18 +6,25 @@
 // reads) and then reads the copy again. For a few query rows per sequence the work is
 // bound by reading K/V once; this kernel does only that. Each (sequence, KV head) task
 // keeps its query vectors (every row of the sequence times the query heads sharing that KV
-// head: an ICaRus pair is one group of 2x the heads) in float, walks the sequence's
-// blocks once for the scores and once for the weighted values, and accumulates in float.
+// head: an ICaRus pair is one group of 2x the heads) in float (the AMX path below: in
+// bfloat16, as they are), walks the sequence's blocks once for the scores and once for the
+// weighted values, and accumulates in float.
 // Rows attend to keys 0..row_len-1; a row_len of 0 (a pad row) gives zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
-#include <type_traits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -156,9 +163,6 @@ GroupFn<T, D> group_fn(int64_t g) {
 // one row. The weighted values stay float FMAs with the accumulators in registers (an AMX
 // value pass, with the weights split into two bfloat16 parts to keep float accuracy, measured
 // no faster: it needs the values re-laid out pairwise by key).
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define KVSHARE_AMX 1
 
 std::atomic<bool> amx_wanted{true};  // paged_attention_set_amx: off runs the generic path (benchmarks, tests)
