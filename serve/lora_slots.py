@@ -45,7 +45,8 @@ def _stack_rank(rank: int, max_rank: int) -> int:
 
 
 def _adapted_parts(adapter: LoadedAdapter) -> set[str]:
-    """The projections whose stacks hold some of ``adapter``'s weights (as :meth:`LoraSlots._write`)."""
+    """The projections whose stacks take ``adapter``'s weights: a ForkKV adapter's k/v LoRA
+    goes to its residual pool, never into K/V (as ``AdapterSet._fuse``)."""
     skip = ("k_proj", "v_proj") if adapter.kv_layout == "forkkv" else ()
     return {name for _, name in adapter.weights if name in PARTS and name not in skip}
 
@@ -125,12 +126,11 @@ class LoraSlots:
         return True
 
     def _write(self, slot: int, adapter: LoadedAdapter | None) -> None:
-        # a ForkKV adapter's k/v LoRA goes to its residual pool, never into K/V (as AdapterSet._fuse)
-        skip = ("k_proj", "v_proj") if adapter is not None and adapter.kv_layout == "forkkv" else ()
+        adapted = _adapted_parts(adapter) if adapter is not None else set()
         for name, (a_stack, b_stack) in self.stacks.items():
             a_stack[:, slot].zero_()
             b_stack[:, slot].zero_()
-            if adapter is None or name in skip:
+            if name not in adapted:
                 continue
             for layer in range(self.model.n_layers):
                 entry = adapter.weights.get((layer, name))
