@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from ..errors import KvshareError
 from .colocate import Colocation
 from .engine import LLMEngine, RequestOutput
+from .openmp import release_openmp_workers
 from .sampling import SamplingParams
 
 
@@ -67,6 +68,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        # the thread that built the engine keeps torch's OpenMP workers; beside the engine
+        # thread's own they would slow every step (see .openmp)
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
         self._thread.start()
 
