@@ -27,8 +27,8 @@ import asyncio
 import json
 import random
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from ...random_adapters import random_adapter
 from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
 from ...serve.engine import LLMEngine
+from ...serve.openmp import release_openmp_workers
 from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from .common import percentile, setup, write_report as _write
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, kv_space_gib, vllm_serve_command
@@ -81,7 +82,10 @@ def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> 
 
 
 class HFBackend:
-    """transformers + PEFT: every call recomputes its whole prompt; one call at a time."""
+    """transformers + PEFT: every call recomputes its whole prompt; one call at a time, on one
+    thread of its own, after the loading thread's OpenMP workers are ended (as ``AsyncEngine``
+    does for kvshare's engine: beside a second OpenMP team every small op of ``generate`` would
+    pay a wake-up, see :mod:`kvshare.serve.openmp`)."""
 
     def __init__(self, model_dir: Path, adapter_paths: list[Path], tokenizer):
         from peft import PeftModel
@@ -92,21 +96,22 @@ class HFBackend:
         for i, path in enumerate(adapter_paths[1:], start=1):
             self.model.load_adapter(str(path), adapter_name=f"hf-{i}")
         self.tokenizer = tokenizer
-        self.lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-hf")
         self.calls = 0
+        release_openmp_workers()
 
     def _generate(self, prompt, adapter, max_tokens):
-        with self.lock:
-            self.model.set_adapter(adapter)
-            ids = torch.tensor([prompt])
-            start = time.perf_counter()
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            self.calls += 1
-            return out[0, len(prompt):].tolist(), start
+        """On the backend's one worker thread, so calls never overlap (they share one PeftModel)."""
+        self.model.set_adapter(adapter)
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        self.calls += 1
+        return out[0, len(prompt):].tolist(), start
 
     async def complete(self, prompt, adapter, max_tokens, hints):
-        ids, _ = await asyncio.get_running_loop().run_in_executor(None, self._generate, prompt, adapter, max_tokens)
+        ids, _ = await asyncio.get_running_loop().run_in_executor(self.executor, self._generate, prompt, adapter, max_tokens)
         # generate() gives no first-token time: report the whole call (an upper bound)
         return ids, 0, time.perf_counter()
 
