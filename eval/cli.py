@@ -92,7 +92,10 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         return _bench_workflow_on_ray(args)
     if args.affinity is not None:
         raise KvshareError("--affinity needs --ray N")
+    from ..serve.config import EngineConfig
     from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
+
+    EngineConfig(compile_max_rows=args.compile_max_rows)  # a bad value is an error now, before any work
 
     args.modes = args.modes or ["icarus", "alora", "lora", "hf"]
     modes = list(args.modes) + [m for m in PEER_MODES if args.peer == "vllm" and m not in args.modes]
@@ -102,7 +105,7 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out,
-        kernels=args.kernels)
+        kernels=args.kernels, compile_max_rows=args.compile_max_rows)
     print(markdown(results))
     return 0
 
@@ -282,6 +285,9 @@ def register(sub) -> None:
                    "model, the ideal sharing bound")
     p.add_argument("--kernels", default="auto",
                    help="the kvshare engines' kernel backends (e.g. int8,cpu; default auto: the device's fast path)")
+    p.add_argument("--compile-max-rows", type=int, default=16,
+                   help="the kvshare engines' largest compiled bucket: 1, 2, 4, ... 128 (default 16; see "
+                   "kvshare serve --help)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
     p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
                    "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")

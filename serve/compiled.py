@@ -13,8 +13,10 @@ of many sequences, with host-side lists; what every layer shares is worked out o
 step, :mod:`kvshare.kernels.step_attention`). The adapters' LoRA deltas run inside the
 graph, from slot stacks that are graph inputs (:mod:`.lora_slots`): adapters come and go at
 run time without a recompile. The graph has static shapes: a step's rows are padded up to
-a bucket (1, 2, 4, 8 or 16 rows); pad rows run the dense math on token 0 and are never
-written to the cache nor read back. Larger steps (prefill chunks, compute-bound) and
+a bucket (1, 2, 4, 8 or 16 rows; up to 128 with ``compile_max_rows``, so that a short prompt
+chunk, an agent turn's new tokens, runs in one graph with the decode rows beside it); pad rows
+run the dense math on token 0 and are never written to the cache nor read back. Larger steps
+(prefill chunks, compute-bound) and
 anything unusual (ForkKV rows, a layer-streaming cache, hidden-state capture, a non-torch
 linear backend, an adapter outside the slot stacks) run the eager forward. Inductor's
 on-disk caches live under ``$KVSHARE_HOME/compile`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is
@@ -43,12 +45,12 @@ from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
+from .config import COMPILE_BUCKETS as BUCKETS
 from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16)  # decode-sized steps; each costs about a minute to compile here
 MODES = ("auto", "on", "off")
 INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
@@ -221,7 +223,7 @@ class CompiledStep:
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
     first use in each process (or ahead, by :meth:`warm_up`)."""
 
-    def __init__(self, model: Model, max_rows: int = BUCKETS[-1], max_loras: int = 8, max_lora_rank: int = 64):
+    def __init__(self, model: Model, max_rows: int = 16, max_loras: int = 8, max_lora_rank: int = 64):
         import torch._dynamo
         import torch._inductor.config
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir

@@ -12,6 +12,10 @@ from dataclasses import dataclass, fields, replace
 
 from ..errors import KvshareError
 
+# the compiled CPU step's batch buckets (a step's rows are padded up to the next one); each
+# compiles on first use, about a minute per graph for SmolLM2 on 2 cores
+COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "auto"  # kernel backends ("auto": the device's fast path; "torch": the references)
     compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
+    compile_max_rows: int = 16  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
     max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
@@ -53,6 +58,9 @@ class EngineConfig:
             raise KvshareError("host_bandwidth_gbps and stream_bandwidth_gbps must be positive")
         if self.compile not in ("auto", "on", "off"):
             raise KvshareError(f"compile must be auto, on or off, not {self.compile!r}")
+        if self.compile_max_rows not in COMPILE_BUCKETS:
+            raise KvshareError(f"compile_max_rows must be one of {', '.join(map(str, COMPILE_BUCKETS))}, "
+                               f"not {self.compile_max_rows}")
         if self.kv_layout not in ("exact", "forkkv", "full_reuse"):
             raise KvshareError(f"kv_layout must be exact, forkkv or full_reuse, not {self.kv_layout!r}")
         if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):
@@ -82,10 +90,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "int8 / int4: weight-only int8 / int4 base; triton: GPU kernels); default auto: cpu on a "
                    "CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="run steps of up to 16 rows through torch.compile (Inductor, weights packed; each "
+                   help="run steps of up to --compile-max-rows rows through torch.compile (Inductor, weights packed; each "
                    "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "
                    "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
                    "bfloat16 instructions (default auto)")
+    g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=16,
+                   help="the compiled step's largest batch bucket (default 16: decode steps); 32-128 also "
+                   "compile short prompt chunks with the decode rows beside them, one more graph each")
     g.add_argument("--max-loras", type=int, default=8,
                    help="adapter slots the compiled step holds in its LoRA stacks (default 8); steps with "
                    "adapters past them run eager")
@@ -112,7 +123,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        kernels=args.kernels, compile=args.compile, max_loras=args.max_loras,
+                        kernels=args.kernels, compile=args.compile, compile_max_rows=args.compile_max_rows,
+                        max_loras=args.max_loras,
                         max_lora_rank=args.max_lora_rank, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
                         prefetch_steps=args.prefetch_steps, kv_layout=args.kv_layout,

@@ -63,7 +63,8 @@ class LLMEngine:
         self.fingerprint = fingerprints(self.model_dir).base
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, config.kv_cache_tokens,
                                   config.kv_cache_bytes, config.block_size, Kernels(config.kernels, config.device),
-                                  config.compile, config.max_num_batched_tokens, config.max_loras,
+                                  config.compile, min(config.compile_max_rows, config.max_num_batched_tokens),
+                                  config.max_loras,
                                   config.max_lora_rank)
         self.max_model_len = config.max_model_len or int(
             getattr(self.runner.model.config, "max_position_embeddings", 4096))

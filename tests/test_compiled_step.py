@@ -125,6 +125,44 @@ def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, 
     assert results[0] == results[1]
 
 
+def test_larger_buckets_take_a_prompt_chunk_with_the_decode_rows(base, adapters, engines, tokenizer):
+    """With ``compile_max_rows=64`` the step of test_a_prompt_chunk_beside_decoding_sequences
+    (a 40-row chunk beside a base row, a LoRA row and an ICaRus pair) is one compiled forward
+    of bucket 64; the same tokens as the eager engine."""
+    _, eager = engines
+    wide = LLM(base, list(adapters.values()), compile="on", compile_max_rows=64, **SETTINGS)
+    assert wide.engine.runner.compiled.buckets == (1, 2, 4, 8, 16, 32, 64)
+    prompts = prompts_for(tokenizer, 3)
+    long_prompt = sum(prompts_for(tokenizer, 4), [])[:40]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = []
+    for llm in (wide, eager):
+        engine = llm.engine
+        engine.reset_prefix_cache()
+        ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
+        engine.step()
+        engine.step()
+        ids.append(engine.add_request(long_prompt, params, adapter="lora-b"))
+        runner = engine.runner
+        split, seen = runner.split, []
+        runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
+        steps = runner.compiled.steps if runner.compiled is not None else 0
+        engine.step()
+        del runner.split
+        assert [sum(p.num_rows for p in group) for group in seen[0]] == [44]
+        if runner.compiled is not None:
+            assert runner.compiled.steps == steps + 1  # the whole step through the graph
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        results.append([done[i].token_ids for i in ids])
+    assert results[0] == results[1]
+    with pytest.raises(KvshareError, match="compile_max_rows must be one of"):
+        LLM(base, compile="on", compile_max_rows=48, **SETTINGS)
+
+
 def test_steps_it_cannot_take_run_eager(engines, tokenizer):
     compiled, eager = engines
     runner = compiled.engine.runner

@@ -151,7 +151,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
-                       peer_venv: str | Path | None = None, kernels: str = "auto") -> dict:
+                       peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = 16) -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
@@ -166,6 +166,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
         for mode in modes:
             for n in agents:
                 engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=1024, kernels=kernels,
+                                   compile_max_rows=compile_max_rows,
                                    **_pool_settings(mode, n, model_dir, kv_cache_tokens))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
                 team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
@@ -200,7 +201,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 if runner is not None:
                     runner.shutdown()
     bar.close()
-    results = {"model": str(model), "dtype": dtype, "kernels": kernels, "threads": threads,
+    results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
+               "threads": threads,
                "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
                "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
