@@ -90,75 +90,55 @@ def test_pad_rows_never_write_the_cache(engines, tokenizer):
         engine.step()
 
 
+def _chunk_beside_decoding(llm, tokenizer) -> tuple[list[int], int, int, list[list[int]]]:
+    """Three sequences (base, LoRA, ICaRus pair) decode, then a 40-row prompt chunk joins
+    them: the row counts of the forwards that step ran as, the compiled forwards of that step
+    and of it with the rest of the run (0 eager), and every request's greedy tokens."""
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = prompts_for(tokenizer, 3)
+    ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
+    engine.step()  # the three prompts
+    engine.step()  # a decode step
+    ids.append(engine.add_request(sum(prompts_for(tokenizer, 4), [])[:40], params, adapter="lora-b"))
+    runner = engine.runner
+    split, seen = runner.split, []
+    runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
+    steps = runner.compiled.steps if runner.compiled is not None else 0
+    engine.step()
+    del runner.split
+    count = lambda: runner.compiled.steps - steps if runner.compiled is not None else 0  # noqa: E731
+    in_step = count()
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [sum(p.num_rows for p in group) for group in seen[0]], in_step, count(), [done[i].token_ids for i in ids]
+
+
 def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, tokenizer):
     """A step of a 40-row prompt chunk and three decoding sequences (base, LoRA, ICaRus pair)
     is two forwards: the decode rows through the graph, the chunk eager; the same tokens as
     the eager engine, which runs the step as one forward."""
     compiled, eager = engines
-    prompts = prompts_for(tokenizer, 3)
-    long_prompt = sum(prompts_for(tokenizer, 4), [])[:40]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    results = []
-    for llm in (compiled, eager):
-        engine = llm.engine
-        engine.reset_prefix_cache()
-        ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
-        engine.step()  # the three prompts
-        engine.step()  # a decode step
-        ids.append(engine.add_request(long_prompt, params, adapter="lora-b"))
-        runner = engine.runner
-        split, seen = runner.split, []
-        runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
-        steps = runner.compiled.steps if runner.compiled is not None else 0
-        engine.step()
-        del runner.split
-        want = [4, 40] if runner.compiled is not None else [44]  # base 1 + LoRA 1 + ICaRus pair 2; the prompt
-        assert [sum(p.num_rows for p in group) for group in seen[0]] == want
-        done = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        if runner.compiled is not None:
-            assert runner.compiled.steps - steps >= 6  # the split step's decode rows, then every decode step
-        results.append([done[i].token_ids for i in ids])
-    assert results[0] == results[1]
+    rows, in_step, in_run, tokens = _chunk_beside_decoding(compiled, tokenizer)
+    assert rows == [4, 40] and in_step == 1  # base 1 + LoRA 1 + ICaRus pair 2 through the graph; the prompt
+    assert in_run >= 6  # the split step's decode rows, then every decode step
+    eager_rows, _, _, eager_tokens = _chunk_beside_decoding(eager, tokenizer)
+    assert eager_rows == [44] and tokens == eager_tokens
 
 
 def test_larger_buckets_take_a_prompt_chunk_with_the_decode_rows(base, adapters, engines, tokenizer):
-    """With ``compile_max_rows=64`` the step of test_a_prompt_chunk_beside_decoding_sequences
-    (a 40-row chunk beside a base row, a LoRA row and an ICaRus pair) is one compiled forward
-    of bucket 64; the same tokens as the eager engine."""
+    """With ``compile_max_rows=64`` the same step is one compiled forward of bucket 64; the
+    same tokens as the eager engine."""
     _, eager = engines
     wide = LLM(base, list(adapters.values()), compile="on", compile_max_rows=64, **SETTINGS)
     assert wide.engine.runner.compiled.buckets == (1, 2, 4, 8, 16, 32, 64)
-    prompts = prompts_for(tokenizer, 3)
-    long_prompt = sum(prompts_for(tokenizer, 4), [])[:40]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    results = []
-    for llm in (wide, eager):
-        engine = llm.engine
-        engine.reset_prefix_cache()
-        ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
-        engine.step()
-        engine.step()
-        ids.append(engine.add_request(long_prompt, params, adapter="lora-b"))
-        runner = engine.runner
-        split, seen = runner.split, []
-        runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
-        steps = runner.compiled.steps if runner.compiled is not None else 0
-        engine.step()
-        del runner.split
-        assert [sum(p.num_rows for p in group) for group in seen[0]] == [44]
-        if runner.compiled is not None:
-            assert runner.compiled.steps == steps + 1  # the whole step through the graph
-        done = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        results.append([done[i].token_ids for i in ids])
-    assert results[0] == results[1]
+    rows, in_step, _, tokens = _chunk_beside_decoding(wide, tokenizer)
+    assert rows == [44] and in_step == 1  # the whole step through the graph
+    assert tokens == _chunk_beside_decoding(eager, tokenizer)[3]
     with pytest.raises(KvshareError, match="compile_max_rows must be one of"):
         LLM(base, compile="on", compile_max_rows=48, **SETTINGS)
 
