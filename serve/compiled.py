@@ -20,10 +20,9 @@ run the dense math on token 0 and are never written to the cache nor read back. 
 anything unusual (ForkKV rows, a layer-streaming cache, hidden-state capture, a non-torch
 linear backend, an adapter outside the slot stacks) run the eager forward. Inductor's
 on-disk caches live under ``$KVSHARE_HOME/compile`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is
-set): its C++ kernels and autotuning choices are reused by later processes, but Inductor
-does not cache a graph whose frozen weights it packed for oneDNN (``mkldnn tensors
-unpickleable`` in its codecache), so each process still lowers each bucket it uses (for
-SmolLM2 on 2 Sapphire Rapids cores, measured: 35 s a bucket, 78 s with adapters).
+set): its C++ kernels, autotuning choices and, keyed by a digest of the weights' bytes
+(:mod:`.graph_cache`), the lowered graphs themselves, so a later process on the same
+weights loads each bucket's graph instead of lowering it again.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from ..paths import kvshare_home
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
 from .config import COMPILE_BUCKETS as BUCKETS
+from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
 
@@ -243,6 +243,7 @@ class CompiledStep:
             adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
                                    options=INDUCTOR_OPTIONS) for adapted in (False, True)}
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
+        self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self.lora = LoraSlots(model, max_loras, max_lora_rank)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
         self.steps = 0  # steps run compiled
@@ -311,21 +312,26 @@ class CompiledStep:
         adapted = bool(lora)
         first = (size, adapted) not in self.traced
         if first:
-            log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute, once per process)",
+            log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute; cached for these weights)",
                         size, " with adapters" if adapted else "")
             self.traced.add((size, adapted))
         graphs = counters["stats"]["unique_graphs"]
         _step.context = context
         try:
             # freezing is read where torch.compile's options are not; set on every call, so that
-            # any recompile freezes too
-            with torch._inductor.config.patch(freezing=True):
+            # any recompile freezes too (and is keyed by these weights in the on-disk cache)
+            with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()):
                 return self._graphs[adapted](tokens, positions, *lora)
         finally:
             _step.context = None
             if not first and counters["stats"]["unique_graphs"] != graphs:
                 self.recompiles += 1
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
+
+    def _key(self) -> WeightsKey | None:
+        if self._weights_key is None and cache_frozen_graphs():
+            self._weights_key = WeightsKey(weights_digest(list(self._graphs[False].named_parameters())))
+        return self._weights_key
 
     def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False,
                 adapters: AdapterSet | None = None) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 from ..errors import KvshareError
 
 # the compiled CPU step's batch buckets (a step's rows are padded up to the next one); each
-# compiles on first use, about a minute per graph for SmolLM2 on 2 cores
+# compiles on first use, about a minute per graph for SmolLM2 on 2 cores (seconds in a later
+# process on the same weights: the graph cache, serve/graph_cache.py)
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -91,7 +92,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run steps of up to --compile-max-rows rows through torch.compile (Inductor, weights packed; each "
-                   "batch bucket compiles on first use, about a minute, once per process); auto: on CPU in "
+                   "batch bucket compiles on first use, about a minute, and later processes on the same weights load it from "
+                   "the cache); auto: on CPU in "
                    "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
                    "bfloat16 instructions (default auto)")
     g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=16,

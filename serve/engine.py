@@ -217,7 +217,8 @@ class LLMEngine:
     def warm_up(self, rows: tuple[int, ...] = (), adapters: bool = False) -> None:
         """Compile the CPU step now for steps of ``rows`` rows (default: every bucket), the graph
         for steps without adapters or (``adapters``) with, so that no request waits for a compile
-        (about a minute each for SmolLM2 on 2 cores). Nothing happens on an engine that runs eager."""
+        (about a minute each for SmolLM2 on 2 cores the first time, seconds once Inductor's cache holds
+        them for these weights). Nothing happens on an engine that runs eager."""
         compiled = self.runner.compiled
         if compiled is not None:
             sizes = tuple(sorted({b for b in map(compiled.bucket, rows) if b is not None})) if rows else None

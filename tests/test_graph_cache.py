@@ -1,0 +1,64 @@
+"""The compiled CPU step's graphs in Inductor's on-disk cache (:mod:`kvshare.serve.graph_cache`):
+a second engine on the same weights loads the graph instead of compiling it and gives the same
+tokens; an engine on other weights of the same shapes never loads it (the entry holds weights
+packed from the first model's values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from kvshare.serve import LLM, SamplingParams
+from kvshare.serve.graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
+
+from test_engine import base, prompts_for, tokenizer  # noqa: F401
+
+SETTINGS = dict(kv_cache_tokens=256, block_size=4)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+def _compiled(model, prompts) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of a fresh compiled engine, and the graph-cache hits and misses its
+    2-row bucket (two prompts decode side by side) made."""
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    llm = LLM(model, compile="on", **SETTINGS)
+    llm.engine.warm_up(rows=(2,))
+    made = (counters["inductor"]["fxgraph_cache_hit"] - hits, counters["inductor"]["fxgraph_cache_miss"] - misses)
+    tokens = _greedy(llm, prompts)
+    assert llm.engine.runner.compiled.steps >= 5  # the decode steps ran the graph
+    return tokens, *made
+
+
+def test_a_graph_loads_for_the_same_weights_and_never_for_others(base, tiny_models, tokenizer, tmp_path,
+                                                                  monkeypatch):
+    assert cache_frozen_graphs()  # the pinned torch's internals are the ones patched
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    prompts = prompts_for(tokenizer, 2)
+    first, hits, misses = _compiled(base, prompts)
+    assert (hits, misses) == (0, 1)
+    again, hits, misses = _compiled(base, prompts)
+    assert (hits, misses) == (1, 0)
+    assert again == first == _greedy(LLM(base, compile="off", **SETTINGS), prompts)
+
+    other = tiny_models("llama", seed=1)  # same shapes, other values
+    got, hits, misses = _compiled(other, prompts)
+    assert (hits, misses) == (0, 1)
+    assert got == _greedy(LLM(other, compile="off", **SETTINGS), prompts)
+
+
+def test_the_key_names_every_byte_of_the_weights():
+    weights = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
+    digest = weights_digest(weights)
+    changed = [("a", weights[0][1].clone()), weights[1]]
+    changed[0][1][1, 2] += 1
+    assert weights_digest(changed) != digest
+    assert weights_digest([("a", weights[0][1].t()), weights[1]]) != digest  # shape
+    assert weights_digest([("a", weights[0][1]), ("b", torch.ones(4, dtype=torch.float16))]) != digest  # dtype
+    assert weights_digest([weights[0], ("c", weights[1][1])]) != digest  # name
+    assert weights_digest(list(weights)) == digest
+    assert WeightsKey(digest).uuid() != WeightsKey(weights_digest(changed)).uuid()
