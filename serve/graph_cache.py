@@ -19,8 +19,10 @@ Inductor as it is where they differ (another torch): graphs then compile as befo
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import logging
+import sys
 
 import torch
 
@@ -89,3 +91,21 @@ def cache_frozen_graphs() -> bool:
     validator.check_tensor = staticmethod(check)
     pickler._reduce_tensor = reduce
     return True
+
+
+def release_compiled_graphs() -> None:
+    """Free every compiled graph of this process, for a process that makes engines one after
+    another (the benchmarks): call it once the old engine is gone. Why: Dynamo's caches keep
+    each graph, and Inductor's loaded modules, each graph's packed weights attached, stay in
+    ``sys.modules``, so an engine's graphs outlived it (about 0.5 GB per SmolLM2 graph; a
+    benchmark of three engines with 128-row buckets ran out of 24 GB). An engine still alive
+    compiles its graphs again at its next step (loading them from the on-disk cache)."""
+    import torch._dynamo
+    from torch._inductor.codecache import PyCodeCache
+
+    torch._dynamo.reset()
+    for module in PyCodeCache.modules:
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+    PyCodeCache.cache_clear(purge=False)
+    gc.collect()

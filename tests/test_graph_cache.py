@@ -1,16 +1,19 @@
 """The compiled CPU step's graphs in Inductor's on-disk cache (:mod:`kvshare.serve.graph_cache`):
 a second engine on the same weights loads the graph instead of compiling it and gives the same
 tokens; an engine on other weights of the same shapes never loads it (the entry holds weights
-packed from the first model's values)."""
+packed from the first model's values); released graphs free their packed weights."""
 
 from __future__ import annotations
 
-import pytest
+import gc
+import weakref
+
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.codecache import PyCodeCache
 
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
+from kvshare.serve.graph_cache import WeightsKey, cache_frozen_graphs, release_compiled_graphs, weights_digest
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
 
@@ -62,3 +65,18 @@ def test_the_key_names_every_byte_of_the_weights():
     assert weights_digest([weights[0], ("c", weights[1][1])]) != digest  # name
     assert weights_digest(list(weights)) == digest
     assert WeightsKey(digest).uuid() != WeightsKey(weights_digest(changed)).uuid()
+
+
+def test_released_graphs_free_their_packed_weights(base):
+    """An engine's graphs outlive it (Inductor keeps each graph's module, its packed weights
+    attached, in sys.modules) until :func:`release_compiled_graphs`."""
+    loaded = set(map(id, PyCodeCache.modules))
+    llm = LLM(base, compile="on", **SETTINGS)
+    llm.engine.warm_up(rows=(1,))
+    graphs = [weakref.ref(module) for module in PyCodeCache.modules if id(module) not in loaded]
+    assert graphs
+    del llm
+    gc.collect()
+    assert all(ref() is not None for ref in graphs)
+    release_compiled_graphs()
+    assert all(ref() is None for ref in graphs)

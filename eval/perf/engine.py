@@ -26,6 +26,7 @@ from ...errors import KvshareError
 from ...models import load_tokenizer
 from ...random_adapters import random_adapter
 from ...serve.engine import LLM
+from ...serve.graph_cache import release_compiled_graphs
 from ...serve.sampling import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
 from .peers import (ensure_llamacpp_venv, ensure_vllm_venv, kv_space_gib, llamacpp_gguf,
@@ -173,7 +174,8 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                     steps.update()
                 results["kv_bytes"] = _kv_bytes(llm, model_dir, _prompt(tokenizer, 128 if quick else 1024))
                 steps.update()
-            del llm  # one engine's memory at a time
+            del llm  # one engine's memory at a time, its compiled graphs too
+            release_compiled_graphs()
     finally:
         steps.close()
     if out_dir:

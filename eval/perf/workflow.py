@@ -39,6 +39,7 @@ from ...random_adapters import random_adapter
 from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
 from ...serve.engine import LLMEngine
+from ...serve.graph_cache import release_compiled_graphs
 from ...serve.openmp import release_openmp_workers
 from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from .common import percentile, setup, write_report as _write
@@ -200,6 +201,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     bar.update()
                 if runner is not None:
                     runner.shutdown()
+                del engine, runner, backend, flows  # one engine's memory at a time: its graphs too
+                release_compiled_graphs()
     bar.close()
     results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
                "threads": threads,
