@@ -8,8 +8,9 @@ SmolLM2 graph on 2 cores). Lifting that refusal alone would be unsafe: the key n
 weights by shape and dtype only, while the entry stores what the C++ GEMM template packed
 from their values, so a second model of the same shape would load the first one's weights.
 
-:func:`cache_frozen_graphs` lifts the refusal for frozen oneDNN parameters only (anything else
-unpicklable still bypasses), and :class:`WeightsKey` puts a digest of every frozen tensor's
+:func:`cache_frozen_graphs` lifts the refusal for frozen oneDNN parameters of graphs compiled
+with a :class:`WeightsKey` only (anything else unpicklable, and every other torch.compile in
+the process, keeps Inductor's rule), and :class:`WeightsKey` puts a digest of every frozen tensor's
 bytes into the key, through Inductor's documented extension point for it (a custom pass's
 ``uuid``; the pass itself does nothing). An entry holds one packed copy of the weights
 (258 MB per SmolLM2 bfloat16 graph). The patch checks the internals it replaces and leaves
@@ -61,21 +62,24 @@ class WeightsKey(CustomGraphPass):
 
 @functools.cache
 def cache_frozen_graphs() -> bool:
-    """Let Inductor's FX graph cache take graphs with frozen oneDNN weights (once per process).
-    False where this torch's internals are not the ones patched (nothing is changed then)."""
+    """Let Inductor's FX graph cache take graphs with frozen oneDNN weights that a
+    :class:`WeightsKey` keys (patched once per process). False where this torch's internals are
+    not the ones patched (nothing is changed then)."""
     try:
-        from torch._inductor import codecache
+        from torch._inductor import codecache, config
         from torch._inductor.freezing_utils import is_frozen_param
         validator, pickler = codecache.CacheabilityValidator, codecache.FxGraphCachePickler
         check_tensor, reduce_tensor, ident = validator.check_tensor, pickler._reduce_tensor, codecache._ident
     except (ImportError, AttributeError) as err:
         log.info("kvshare: Inductor's graph cache stays as it is (%s)", err)
         return False
-    if not issubclass(WeightsKey, CustomGraphPass) or CustomGraphPass is object:
+    if CustomGraphPass is object:
         return False
 
     def frozen_mkldnn(t: torch.Tensor) -> bool:
-        return t.is_mkldnn and is_frozen_param(t)
+        # only in graphs keyed by their weights (ours): another torch.compile in the process
+        # keeps Inductor's own rule
+        return t.is_mkldnn and is_frozen_param(t) and isinstance(config.post_grad_custom_post_pass, WeightsKey)
 
     def check(t: torch.Tensor) -> None:
         if not frozen_mkldnn(t):

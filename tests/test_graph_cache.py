@@ -80,3 +80,17 @@ def test_released_graphs_free_their_packed_weights(base):
     assert all(ref() is not None for ref in graphs)
     release_compiled_graphs()
     assert all(ref() is None for ref in graphs)
+
+
+def test_other_frozen_graphs_keep_their_own_weights(tmp_path, monkeypatch):
+    """Another torch.compile in the process (no weights key) is not let into the cache by our
+    patch: a second model of the same shape computes with its own weights."""
+    assert cache_frozen_graphs()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    x = torch.randn(4, 64)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).eval()
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+            got = torch.compile(model, options={"max_autotune": True})(x)
+            assert torch.allclose(got, model(x), atol=1e-4)
