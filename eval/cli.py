@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import KvshareError
+from ..serve.config import DEFAULT_COMPILE_MAX_ROWS, EngineConfig
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -92,7 +93,6 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         return _bench_workflow_on_ray(args)
     if args.affinity is not None:
         raise KvshareError("--affinity needs --ray N")
-    from ..serve.config import EngineConfig
     from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
 
     EngineConfig(compile_max_rows=args.compile_max_rows)  # a bad value is an error now, before any work
@@ -285,7 +285,7 @@ def register(sub) -> None:
                    "model, the ideal sharing bound")
     p.add_argument("--kernels", default="auto",
                    help="the kvshare engines' kernel backends (e.g. int8,cpu; default auto: the device's fast path)")
-    p.add_argument("--compile-max-rows", type=int, default=16,
+    p.add_argument("--compile-max-rows", type=int, default=DEFAULT_COMPILE_MAX_ROWS,
                    help="the kvshare engines' largest compiled bucket: 1, 2, 4, ... 128 (default 16; see "
                    "kvshare serve --help)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")

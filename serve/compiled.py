@@ -44,7 +44,7 @@ from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
-from .config import COMPILE_BUCKETS as BUCKETS
+from .config import COMPILE_BUCKETS as BUCKETS, DEFAULT_COMPILE_MAX_ROWS
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
@@ -223,7 +223,7 @@ class CompiledStep:
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
     first use in each process (or ahead, by :meth:`warm_up`)."""
 
-    def __init__(self, model: Model, max_rows: int = 16, max_loras: int = 8, max_lora_rank: int = 64):
+    def __init__(self, model: Model, max_rows: int = DEFAULT_COMPILE_MAX_ROWS, max_loras: int = 8, max_lora_rank: int = 64):
         import torch._dynamo
         import torch._inductor.config
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir

@@ -16,6 +16,7 @@ from ..errors import KvshareError
 # compiles on first use, about a minute per graph for SmolLM2 on 2 cores (seconds in a later
 # process on the same weights: the graph cache, serve/graph_cache.py)
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_COMPILE_MAX_ROWS = 16  # decode steps; larger buckets are opt-in (one more compile each)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "auto"  # kernel backends ("auto": the device's fast path; "torch": the references)
     compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
-    compile_max_rows: int = 16  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
+    compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
     max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
@@ -96,7 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "the cache); auto: on CPU in "
                    "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
                    "bfloat16 instructions (default auto)")
-    g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=16,
+    g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=DEFAULT_COMPILE_MAX_ROWS,
                    help="the compiled step's largest batch bucket (default 16: decode steps); 32-128 also "
                    "compile short prompt chunks with the decode rows beside them, one more graph each")
     g.add_argument("--max-loras", type=int, default=8,

@@ -102,7 +102,7 @@ def release_compiled_graphs() -> None:
     another (the benchmarks): call it once the old engine is gone. Why: Dynamo's caches keep
     each graph, and Inductor's loaded modules, each graph's packed weights attached, stay in
     ``sys.modules``, so an engine's graphs outlived it (about 0.5 GB per SmolLM2 graph; a
-    benchmark of three engines with 128-row buckets ran out of 24 GB). An engine still alive
+    benchmark of three engines with 128-row buckets reached 15 GB while its second engine compiled). An engine still alive
     compiles its graphs again at its next step (loading them from the on-disk cache)."""
     import torch._dynamo
     from torch._inductor.codecache import PyCodeCache

@@ -18,6 +18,7 @@ from .batch import Batch, StepPlan, build_batch
 from .cache.arena import BlockShape
 from .cache.layer_stream import LayerStream
 from .compiled import CompiledStep, compile_wanted
+from .config import DEFAULT_COMPILE_MAX_ROWS
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
 
@@ -39,7 +40,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class ModelRunner:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
                  kv_cache_tokens: int | None, kv_cache_bytes: int | None, block_size: int,
-                 kernels: Kernels, compile_mode: str = "off", max_step_rows: int = 16,
+                 kernels: Kernels, compile_mode: str = "off", max_step_rows: int = DEFAULT_COMPILE_MAX_ROWS,
                  max_loras: int = 8, max_lora_rank: int = 64):
         self.device = device
         self.model = Model(model_dir, dtype, device, kernels)

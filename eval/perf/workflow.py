@@ -38,6 +38,7 @@ from ...errors import KvshareError
 from ...random_adapters import random_adapter
 from ...splits import require_data_dir
 from ...serve.async_engine import AsyncEngine
+from ...serve.config import DEFAULT_COMPILE_MAX_ROWS
 from ...serve.engine import LLMEngine
 from ...serve.graph_cache import release_compiled_graphs
 from ...serve.openmp import release_openmp_workers
@@ -152,7 +153,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
-                       peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = 16) -> dict:
+                       peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS) -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
