@@ -21,6 +21,18 @@ from kvshare.kernels import cpu
 from kvshare.random_adapters import random_adapter
 from kvshare.serve import LLM
 
+def alternate(llm: LLM, prompt: list[int], name: str) -> float:
+    """Time a base step and a pair step five times alternately (after one pair warm-up);
+    print each pair of times and return the median ratio."""
+    _engine_step_time(llm, prompt, name)
+    ratios = []
+    for _ in range(5):
+        base, pair = _engine_step_time(llm, prompt, None), _engine_step_time(llm, prompt, name)
+        ratios.append(pair / base)
+        print(f"base {base * 1e3:.2f} ms  pair {pair * 1e3:.2f} ms  ratio {pair / base:.2f}", flush=True)
+    return sorted(ratios)[2]
+
+
 if __name__ == "__main__":
     model = Path.home() / ".cache/kvshare/models/smollm2-135m-instruct"
     parts, kernels = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "auto"
@@ -35,10 +47,4 @@ if __name__ == "__main__":
         name = llm.engine.load_adapter(random_adapter("icarus", model, tmp, "icarus-step", seed=0))
     llm.engine.warm_up((2,), adapters=True)
     print("projections adapted:", ", ".join(llm.engine.runner.compiled.lora.parts))
-    _engine_step_time(llm, prompt, name)
-    ratios = []
-    for _ in range(5):
-        base, pair = _engine_step_time(llm, prompt, None), _engine_step_time(llm, prompt, name)
-        ratios.append(pair / base)
-        print(f"base {base * 1e3:.2f} ms  pair {pair * 1e3:.2f} ms  ratio {pair / base:.2f}", flush=True)
-    print(f"{parts} {kernels}: median ratio {sorted(ratios)[2]:.2f}")
+    print(f"{parts} {kernels}: median ratio {alternate(llm, prompt, name):.2f}")

@@ -10,9 +10,11 @@ generated ``call()`` start a fresh chunk, so the custom op's frames fit in it (R
 import sys, tempfile
 from pathlib import Path
 import torch
-from kvshare.eval.perf.engine import _engine_step_time
 from kvshare.random_adapters import random_adapter
 from kvshare.serve import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "session15"))
+from pair_ratio import alternate  # noqa: E402  (session 15's alternating timing, shared)
 names = [f"_v{i}" for i in range(int(sys.argv[1]))]
 ns = {}
 exec("def spacer(fn, args):\n    " + " = ".join(names) + " = None\n    return fn(*args)\n", ns)
@@ -28,10 +30,4 @@ c = llm.engine.runner.compiled
 if len(names) > 1:
     for k, f in list(c._graphs.items()):
         c._graphs[k] = (lambda f: (lambda *a: spacer(f, a)))(f)
-_engine_step_time(llm, prompt, name)
-ratios = []
-for _ in range(5):
-    base, pair = _engine_step_time(llm, prompt, None), _engine_step_time(llm, prompt, name)
-    ratios.append(pair / base)
-    print(f"base {base * 1e3:.2f} ms  pair {pair * 1e3:.2f} ms  ratio {pair / base:.2f}", flush=True)
-print(f"spacer {sys.argv[1]}: median ratio {sorted(ratios)[2]:.2f}")
+print(f"spacer {sys.argv[1]}: median ratio {alternate(llm, prompt, name):.2f}")
