@@ -45,6 +45,7 @@ from ..paths import kvshare_home
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
 from .config import COMPILE_BUCKETS as BUCKETS, DEFAULT_COMPILE_MAX_ROWS
+from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, LoraSlots, lora_delta
 from .model import Model, _rms_norm
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
+# The graph with adapters is called from C++ (Inductor's ``cpp_wrapper``): its Python ``call()``
+# spent 1.3 ms of a 24 ms batch-1 ICaRus pair step on calling the LoRA matmuls and the op (1.19x
+# a base step; 1.14x from C++, results/engine-cpu-bf16/session18). The base graph gains nothing
+# measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
+GRAPH_OPTIONS = {adapted: {**INDUCTOR_OPTIONS, "cpp_wrapper": adapted} for adapted in (False, True)}
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
@@ -241,7 +247,7 @@ class CompiledStep:
         self.buckets = tuple(b for b in BUCKETS if b <= max_rows) or (1,)
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
-                                   options=INDUCTOR_OPTIONS) for adapted in (False, True)}
+                                   options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self.lora = LoraSlots(model, max_loras, max_lora_rank)
@@ -319,9 +325,10 @@ class CompiledStep:
         _step.context = context
         try:
             # freezing is read where torch.compile's options are not; set on every call, so that
-            # any recompile freezes too (and is keyed by these weights in the on-disk cache)
+            # any recompile freezes too (and is keyed by these weights in the on-disk cache).
+            # From a fresh data-stack chunk: else the op's frames may map a chunk per layer (fresh_stack)
             with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()):
-                return self._graphs[adapted](tokens, positions, *lora)
+                return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
         finally:
             _step.context = None
             if not first and counters["stats"]["unique_graphs"] != graphs:
