@@ -56,9 +56,9 @@ MODES = ("auto", "on", "off")
 INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                     "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
 # The graph with adapters is called from C++ (Inductor's ``cpp_wrapper``): its Python ``call()``
-# spent 1.3 ms of a 24 ms batch-1 ICaRus pair step on calling the LoRA matmuls and the op (1.19x
-# a base step; 1.14x from C++, results/engine-cpu-bf16/session18). The base graph gains nothing
-# measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
+# spent about 1.4 ms of a 22 ms batch-1 ICaRus pair step calling the LoRA matmuls and the op
+# (1.16x a base step; 1.10x from C++, results/engine-cpu-bf16/session18). The base graph gains
+# nothing measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
 GRAPH_OPTIONS = {adapted: {**INDUCTOR_OPTIONS, "cpp_wrapper": adapted} for adapted in (False, True)}
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
