@@ -108,6 +108,10 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
     by_mode = {p["mode"]: p for p in results["points"]}
     assert set(by_mode) == {"icarus", "alora", "lora", "base", "hf"}
     assert all(p["calls"] == 6 and p["tokens_per_s"] > 0 for p in by_mode.values())
+    records = by_mode["icarus"]["call_records"]  # every call, in turn order per workflow
+    assert [(r["workflow"], r["turn"]) for r in records] == [(w, t) for w in range(2) for t in range(3)]
+    assert min(r["start_s"] for r in records) == 0 and all(r["latency_s"] >= r["ttft_s"] > 0 for r in records)
+    assert max(r["latency_s"] for r in records) <= by_mode["icarus"]["makespan_s"]
     assert by_mode["icarus"]["hit_rate"] > by_mode["lora"]["hit_rate"]
     assert by_mode["base"]["hit_rate"] > by_mode["lora"]["hit_rate"]  # the base shares as ICaRus does
     assert by_mode["icarus"]["compiled"] is False and "compiled" not in by_mode["hf"]  # the suite runs eager

@@ -234,6 +234,7 @@ def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int
 
 def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evictions, peak) -> dict:
     calls = [r for f in flows for r in f.records]
+    origin = min(c.start for c in calls)  # the first workflow starts at once
     return {
         "mode": mode, "agents": n, "qps": rate, "workflows": len(flows), "calls": len(calls),
         "p50_latency_s": percentile([c.latency for c in calls], 0.5),
@@ -246,6 +247,12 @@ def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evi
         "hit_rate": hit_rate,
         "evictions": evictions,
         "peak_kv_blocks": peak,
+        # every call, to see which ones make the tail (times in s from the point's first call)
+        "call_records": [{"workflow": c.workflow, "turn": turn, "agent": c.agent, "prompt_tokens": c.prompt_tokens,
+                          "cached_tokens": c.cached_tokens, "completion_tokens": c.completion_tokens,
+                          "start_s": round(c.start - origin, 4), "ttft_s": round(c.ttft, 4),
+                          "latency_s": round(c.latency, 4)}
+                         for f in flows for turn, c in enumerate(f.records)],
     }
 
 
