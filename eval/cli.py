@@ -95,7 +95,8 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         raise KvshareError("--affinity needs --ray N")
     from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
 
-    EngineConfig(compile_max_rows=args.compile_max_rows)  # a bad value is an error now, before any work
+    # a bad value is an error now, before any work
+    EngineConfig(compile_max_rows=args.compile_max_rows, max_num_batched_tokens=args.max_num_batched_tokens)
 
     args.modes = args.modes or ["icarus", "alora", "lora", "hf"]
     modes = list(args.modes) + [m for m in PEER_MODES if args.peer == "vllm" and m not in args.modes]
@@ -105,7 +106,8 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         workflows=args.workflows, turns=args.turns, context_tokens=args.context_tokens,
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out,
-        kernels=args.kernels, compile_max_rows=args.compile_max_rows)
+        kernels=args.kernels, compile_max_rows=args.compile_max_rows,
+        max_num_batched_tokens=args.max_num_batched_tokens)
     print(markdown(results))
     return 0
 
@@ -288,6 +290,9 @@ def register(sub) -> None:
     p.add_argument("--compile-max-rows", type=int, default=DEFAULT_COMPILE_MAX_ROWS,
                    help="the kvshare engines' largest compiled bucket: 1, 2, 4, ... 128 (default 16; see "
                    "kvshare serve --help)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="the kvshare engines' rows per step: a prompt chunk takes what decoding rows leave "
+                   "(default 1024)")
     _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
     p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
                    "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")

@@ -104,8 +104,9 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
 
     results = run_workflow_bench(model=str(tiny_models("llama")), agents=(2,), qps=(50.0,),
                                  modes=("icarus", "alora", "lora", "base", "hf"), workflows=2, turns=3,
-                                 context_tokens=64, max_tokens=4, out_dir=tmp_path)
+                                 context_tokens=64, max_tokens=4, out_dir=tmp_path, max_num_batched_tokens=48)
     by_mode = {p["mode"]: p for p in results["points"]}
+    assert results["max_num_batched_tokens"] == 48  # prompts of 64+ tokens ran in chunks
     assert set(by_mode) == {"icarus", "alora", "lora", "base", "hf"}
     assert all(p["calls"] == 6 and p["tokens_per_s"] > 0 for p in by_mode.values())
     records = by_mode["icarus"]["call_records"]  # every call, in turn order per workflow

@@ -153,7 +153,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        workflows: int = 8, turns: int = 4, context_tokens: int = 512, max_tokens: int = 16,
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
-                       peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS) -> dict:
+                       peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS,
+                       max_num_batched_tokens: int = 1024) -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
@@ -167,7 +168,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     with tempfile.TemporaryDirectory(prefix="kvshare-wf-") as tmp:
         for mode in modes:
             for n in agents:
-                engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=1024, kernels=kernels,
+                engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, kernels=kernels,
                                    compile_max_rows=compile_max_rows,
                                    **_pool_settings(mode, n, model_dir, kv_cache_tokens))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
@@ -206,6 +207,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 release_compiled_graphs()
     bar.close()
     results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
+               "max_num_batched_tokens": max_num_batched_tokens,
                "threads": threads,
                "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
