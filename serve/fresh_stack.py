@@ -15,7 +15,7 @@ frame never fits a 16 KB chunk, and CPython gives a frame that needs a new chunk
 slots of room beyond it, rounded up to a power of two: a 64 KB chunk with about 39 KB free above
 the spacer. The callee's frames (Dynamo's and AOTAutograd's wrappers, ``call()`` and the op's
 frames: about 15 KB for SmolLM2) then share that one chunk, so a step maps one chunk instead of
-one per op call. The spacer's slots are never written (the branch that names them never runs).
+one per op call. The spacer's slots are never assigned (the branch that names them never runs).
 If the caller's chunk is itself that large and has room (a caller deep in another large
 frame), the spacer fits there and the layout is as without it: no harm, no gain.
 """
