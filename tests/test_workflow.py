@@ -98,15 +98,24 @@ def test_react_against_the_server_with_text_prompts(server, tokenizer):
     assert flow.records[1].cached_tokens > 0  # ICaRus and base share the history's blocks
 
 
-def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path):
+def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path, monkeypatch):
     """Figures are printed, not asserted; what is asserted is what must hold regardless of speed."""
+    from kvshare.eval.perf import workflow
     from kvshare.eval.perf.workflow import run_workflow_bench, sharing_ratios
 
+    budgets = []  # each kvshare engine's rows per step, as its scheduler got them
+
+    class Recording(workflow.LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            budgets.append(self._scheduler.max_batched_tokens)
+
+    monkeypatch.setattr(workflow, "LLMEngine", Recording)
     results = run_workflow_bench(model=str(tiny_models("llama")), agents=(2,), qps=(50.0,),
                                  modes=("icarus", "alora", "lora", "base", "hf"), workflows=2, turns=3,
                                  context_tokens=64, max_tokens=4, out_dir=tmp_path, max_num_batched_tokens=48)
     by_mode = {p["mode"]: p for p in results["points"]}
-    assert results["max_num_batched_tokens"] == 48  # prompts of 64+ tokens ran in chunks
+    assert results["max_num_batched_tokens"] == 48 and budgets == [48] * 5  # prompts of 64+ tokens ran in chunks
     assert set(by_mode) == {"icarus", "alora", "lora", "base", "hf"}
     assert all(p["calls"] == 6 and p["tokens_per_s"] > 0 for p in by_mode.values())
     records = by_mode["icarus"]["call_records"]  # every call, in turn order per workflow
