@@ -1,8 +1,8 @@
 """The C++ CPU paged attention (backend "cpu") against the torch reference: random block
 layouts, partial blocks, GQA ratios 1/3/4, head sizes the kernel specialises (64, 128) and
-others, float32/bfloat16/float16, decode rows, ICaRus pairs, read-only rows, prompt rows, and a
-prompt chunk long enough to be left to SDPA. Also: "auto" picks it on CPU, and only the
-sequences asked for are written."""
+others, float32/bfloat16/float16, decode rows, ICaRus pairs, read-only rows, prompt rows, and prompt chunks
+(left to SDPA, except in bfloat16 with 64-dim heads on AMX, where the kernel takes them on
+tiles). Also: "auto" picks it on CPU, and only the sequences asked for are written."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_the_kernel_builds_here():
 
 
 def _case(gen: torch.Generator, rows_per_seq: list[list[int]], n_q: int, n_kv: int, d: int, block: int,
-          dtype: torch.dtype, n_blocks: int = 64):
+          dtype: torch.dtype, n_blocks: int = 96):
     """A block-major cache of random K/V and metadata for sequences with rows at the given positions."""
     kv = torch.randn(n_blocks, 2, 2, block, n_kv, d, generator=gen).to(dtype)  # (blocks, layers, K/V, ...)
     free = torch.randperm(n_blocks, generator=gen).tolist()
@@ -43,6 +43,9 @@ LAYOUTS = {
     "prompt rows after a cached prefix": [[30, 31, 32, 33], [9]],
     "a causal prompt": [list(range(12))],
     "a long chunk beside decode rows": [list(range(5, 5 + cpu.FEW_ROWS + 3)), [40]],
+    # on AMX: groups of 16 vectors, the last one partial; chunks split between tasks
+    "two chunks after cached prefixes and a pair": [list(range(70, 141)), list(range(3, 40)), [33, 33]],
+    "a causal prompt of many groups": [list(range(90))],
 }
 HEADS = [(4, 4), (6, 2), (8, 2)]  # GQA ratios 1, 3, 4
 
@@ -100,6 +103,28 @@ def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block, amx):
     got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
     want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_chunks_take_the_kernel_on_amx_and_sdpa_elsewhere(monkeypatch, amx):
+    """In bfloat16 with 64-dim heads a chunk's weighted values are tile products too (weights
+    rounded to bfloat16, as SDPA's CPU flash attention rounds them); scores spread over a
+    wide range (near-zero weights, exponents far below 0) still match the reference."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, meta = _case(gen, [list(range(40, 100)), [7, 7]], 9, 3, 64, 16, torch.bfloat16)
+    q = q * 8  # scores of about +-60
+    got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
+    assert bool(calls) == (not amx) and cpu.chunks_on_tiles(q) == amx
+    want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_chunk_boundary_is_the_kernels():
+    assert cpu.extension().paged_attention_chunk_rows() == cpu.FEW_ROWS
 
 
 def test_only_the_sequences_asked_for_are_written():

@@ -2,7 +2,7 @@
 step) against the torch reference, over a block-major cache: the same KV writes and the same
 outputs for decode rows of unequal lengths (one padded, masked SDPA call), ICaRus pairs,
 read-only rows, a few prompt rows (per-sequence calls), GQA and pad rows; and the same with
-the C++ CPU kernel attending (no gather; a long prompt chunk takes SDPA)."""
+the C++ CPU kernel attending (no gather; a long prompt chunk takes SDPA in float32)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -29,6 +29,10 @@
 namespace {
 
 constexpr int kGroup = 8;  // query vectors per pass over the keys
+// A sequence with more rows in a step is a prompt chunk (kvshare.kernels.cpu.FEW_ROWS): on AMX
+// its groups fill a whole tile (16 vectors) and its weighted values are tile products too
+constexpr int64_t kChunkRows = 16;
+constexpr int kChunkGroup = 16;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -153,7 +157,7 @@ GroupFn<T, D> group_fn(int64_t g) {
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 // Bfloat16 caches with 64-dim heads (SmolLM2's and many small models') on CPUs with AMX,
 // where the kernel lets this process use it. Why a second path: the generic score pass takes
 // one horizontal sum per key and query vector, so its work grows with the group (an ICaRus
@@ -283,6 +287,153 @@ inline AmxGroupFn amx_group_fn(int64_t g) {
     default: return attend_group_amx<8>;
   }
 }
+
+// e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
+// e^r by its Taylor polynomial to r^7 (relative error below 2e-8), times 2^n. Why our own: the
+// compiler calls libm's scalar expf per score, which took half of a chunk's time.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is below float's least: 0 after scaling
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: exact n*hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax weights of one vector's n scores (times scale), in bfloat16 into w; returns their
+// float sum (the output is divided by it, as the decode path does)
+inline float softmax_to_weights(const float* s, int64_t n, c10::BFloat16* w) {
+  const auto mask_of = [&](int64_t t) {
+    return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(-3.0e38f);
+  for (int64_t t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, mask_of(t), _mm512_maskz_loadu_ps(mask_of(t), s + t), top);
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = mask_of(t);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_mask_storeu_epi16(w + t, k, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// A prompt chunk's values in key pairs, as tile products take them: row i holds keys 2i and
+// 2i+1 interleaved per dim (128 bfloat16), rows up to a whole tile of 32 keys, zeros past
+// ``longest`` (their weights are zero, and zeros keep them from adding NaN).
+void values_in_pairs(const c10::BFloat16* vbase, const Cache& vc, const int32_t* table, int64_t block_size,
+                     int64_t longest, std::vector<c10::BFloat16>& pairs) {
+  const int64_t padded = (longest + 31) / 32 * 32;
+  pairs.assign(padded / 2 * 128, c10::BFloat16());
+  const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i odd = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                                       22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  const auto row = [&](int64_t t) { return vbase + table[t / block_size] * vc.block + (t % block_size) * vc.token; };
+  for (int64_t t = 0; t < longest; t += 2) {
+    const __m512i zero = _mm512_setzero_si512();
+    c10::BFloat16* dst = pairs.data() + t / 2 * 128;
+    for (int64_t half = 0; half < 2; ++half) {  // dims 0-31, then 32-63
+      const __m512i a = _mm512_loadu_si512(row(t) + 32 * half);
+      const __m512i b = t + 1 < longest ? _mm512_loadu_si512(row(t + 1) + 32 * half) : zero;
+      _mm512_storeu_si512(dst + 64 * half, _mm512_permutex2var_epi16(a, even, b));
+      _mm512_storeu_si512(dst + 64 * half + 32, _mm512_permutex2var_epi16(a, odd, b));
+    }
+  }
+}
+
+// Weighted values of 16 vectors on tiles: acc_out (16 x 64, float) = weights (16 x longest
+// bfloat16, row stride ``stride``, zero past each vector's keys and up to the tile) times the
+// values in pairs. Tiles: 0-3 the output's 16-dim quarters, 4 the weights of 32 keys, 5 their values.
+void value_pass_amx(const c10::BFloat16* weights, int64_t stride, int64_t longest, const c10::BFloat16* pairs,
+                    float* acc_out) {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr int64_t kPairRow = 128 * sizeof(c10::BFloat16);
+  for (int64_t t0 = 0; t0 < longest; t0 += 32) {
+    const c10::BFloat16* v = pairs + t0 / 2 * 128;
+    _tile_loadd(4, weights + t0, stride * sizeof(c10::BFloat16));
+    _tile_loadd(5, v, kPairRow);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, v + 32, kPairRow);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, v + 64, kPairRow);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, v + 96, kPairRow);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t kOutRow = 64 * sizeof(float);
+  _tile_stored(0, acc_out, kOutRow);
+  _tile_stored(1, acc_out + 16, kOutRow);
+  _tile_stored(2, acc_out + 32, kOutRow);
+  _tile_stored(3, acc_out + 48, kOutRow);
+  _tile_release();
+}
+
+// Vectors [begin, end) of a prompt chunk's (sequence, KV head) on tiles, 16 at a time: scores
+// as in decode, then the softmax weights rounded to bfloat16 for the value product (as
+// PyTorch's CPU flash attention rounds them, which chunks took before), sums in float.
+void attend_chunk_amx(const c10::BFloat16* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
+                      const int32_t* table, int64_t block_size, const int32_t* row_lens, int64_t first_row,
+                      int64_t begin, int64_t end, int64_t kv_head, int64_t ratio, float scale, c10::BFloat16* out,
+                      int64_t out_row, int64_t out_head, std::vector<float>& scores,
+                      std::vector<c10::BFloat16>& weights, std::vector<c10::BFloat16>& pairs) {
+  using BF16 = c10::BFloat16;
+  const BF16* kbase = reinterpret_cast<const BF16*>(kc.base) + kv_head * kc.head;
+  const BF16* vbase = reinterpret_cast<const BF16*>(vc.base) + kv_head * vc.head;
+  const auto row_of = [&](int64_t vector) { return first_row + vector / ratio; };
+  int64_t task_longest = 0;
+  for (int64_t j = begin; j < end; ++j) task_longest = std::max<int64_t>(task_longest, row_lens[row_of(j)]);
+  values_in_pairs(vbase, vc, table, block_size, task_longest, pairs);
+  alignas(64) BF16 raw[kChunkGroup * 64];
+  alignas(64) float acc[kChunkGroup * 64];
+  for (int64_t first = begin; first < end; first += kChunkGroup) {
+    const int64_t g = std::min<int64_t>(kChunkGroup, end - first);
+    int64_t lens[kChunkGroup] = {}, longest = 0;
+    std::fill(raw, raw + kChunkGroup * 64, BF16());
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = row_of(first + j), h = kv_head * ratio + (first + j) % ratio;
+      lens[j] = row_lens[r];
+      longest = std::max(longest, lens[j]);
+      std::copy(q + r * q_row + h * q_head, q + r * q_row + h * q_head + 64, raw + j * 64);
+    }
+    if (longest == 0) {  // pad rows only
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t r = row_of(first + j), h = kv_head * ratio + (first + j) % ratio;
+        std::fill(out + r * out_row + h * out_head, out + r * out_row + h * out_head + 64, BF16());
+      }
+      continue;
+    }
+    const int64_t padded = (longest + 31) / 32 * 32;
+    if (static_cast<int64_t>(scores.size()) < kChunkGroup * longest) scores.resize(kChunkGroup * longest);
+    score_pass_amx<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, [&](auto&& tile) {
+      for_each_block(kbase, kc, table, block_size, longest, 64,
+                     [&](const BF16* block, int64_t t0, int64_t in_block) {
+                       for (int64_t o = 0; o < in_block; o += 16)
+                         tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
+                     });
+    });
+    float total[kChunkGroup];
+    weights.assign(kChunkGroup * padded, BF16());
+    for (int64_t j = 0; j < g; ++j)
+      total[j] = softmax_to_weights(scores.data() + j * longest, lens[j], weights.data() + j * padded);
+    value_pass_amx(weights.data(), padded, longest, pairs.data(), acc);
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t r = row_of(first + j), h = kv_head * ratio + (first + j) % ratio;
+      BF16* dst = out + r * out_row + h * out_head;
+      const float inv = lens[j] > 0 ? 1.f / total[j] : 0.f;
+      for (int64_t i = 0; i < 64; ++i) dst[i] = static_cast<BF16>(acc[j * 64 + i] * inv);
+    }
+  }
+}
 #endif
 
 // Whether groups of this dtype and head size take the AMX path here
@@ -352,6 +503,35 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
   }
 }
 
+// One task: vectors [begin, end) (rows x the query heads sharing the KV head) of a sequence's KV
+// head, and its cost: the keys its vectors read
+struct Task {
+  int64_t seq, kv_head, begin, end, cost;
+};
+
+// The step's tasks, costliest first (handed out in that order, they finish close together): a
+// (sequence, KV head) each, a prompt chunk's split in runs of whole groups so that every core
+// shares even a single chunk, and a causal chunk's cheap early rows balance its late ones
+std::vector<Task> make_tasks(const int32_t* seq, int64_t n, const int32_t* starts, const int32_t* row_lens,
+                             int64_t kv_heads, int64_t ratio, bool chunks_on_tiles) {
+  std::vector<Task> tasks;
+  const int64_t pieces = std::max<int64_t>(1, 8 * at::get_num_threads() / kv_heads);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = seq[i], rows = starts[s + 1] - starts[s], vectors = rows * ratio;
+    int64_t span = vectors;
+    if (chunks_on_tiles && rows > kChunkRows)
+      span = std::max<int64_t>(kChunkGroup, (vectors + pieces - 1) / pieces / kChunkGroup * kChunkGroup);
+    for (int64_t b = 0; b < vectors; b += span) {
+      const int64_t e = std::min(vectors, b + span);
+      int64_t cost = 0;
+      for (int64_t v = b; v < e; ++v) cost += row_lens[starts[s] + v / ratio];
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, b, e, cost});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& tables, const torch::Tensor& starts, const torch::Tensor& row_lens,
@@ -367,14 +547,28 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* sp = starts.data_ptr<int32_t>();
   const int32_t* lp = row_lens.data_ptr<int32_t>();
-  const int32_t* seq = seqs.data_ptr<int32_t>();
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const bool chunks_on_tiles = d == 64 && amx_applies<T, 64>();
+  const std::vector<Task> tasks = make_tasks(seqs.data_ptr<int32_t>(), n, sp, lp, kv_heads, ratio, chunks_on_tiles);
+  std::atomic<int64_t> next{0};  // tasks are uneven (a chunk's later rows read more keys): hand them out
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = seq[task / kv_heads], h = task % kv_heads;
+    [[maybe_unused]] std::vector<c10::BFloat16> weights, pairs;
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+      const Task& task = tasks[i];
+      const int64_t s = task.seq, h = task.kv_head, rows = sp[s + 1] - sp[s];
+#ifdef KVSHARE_AMX
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (chunks_on_tiles && rows > kChunkRows) {
+          attend_chunk_amx(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], task.begin,
+                           task.end, h, ratio, static_cast<float>(scale), op, out.stride(0), out.stride(1), scores,
+                           weights, pairs);
+          continue;
+        }
+      }
+#endif
       auto task_fn = d == 64 ? attend_task<T, 64> : d == 128 ? attend_task<T, 128> : attend_task<T, 0>;
-      task_fn(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], sp[s + 1] - sp[s], h,
-              ratio, d, static_cast<float>(scale), op, out.stride(0), out.stride(1), scores);
+      task_fn(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], rows, h, ratio, d,
+              static_cast<float>(scale), op, out.stride(0), out.stride(1), scores);
     }
   });
 }
@@ -408,7 +602,10 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   }
 }
 
-// Whether bfloat16 caches with 64-dim heads take the AMX path on this machine
+// Rows above which a sequence is a prompt chunk (FEW_ROWS on the Python side)
+int64_t paged_attention_chunk_rows() { return kChunkRows; }
+
+// Whether bfloat16 caches with 64-dim heads take the AMX path on this machine (prompt chunks too)
 bool paged_attention_uses_amx() { return amx_applies<c10::BFloat16, 64>(); }
 
 // Let them take it where the machine allows (the default) or not: the generic path
