@@ -77,7 +77,9 @@ class LLMEngine:
         self._blocks = BlockManager(self.runner.num_blocks, config.block_size, self.fingerprint,
                                     policy=make_policy(config.eviction_policy), agents=self._agents,
                                     host_tier=tier)
-        self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        compiled = self.runner.compiled
+        self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs,
+                                    compiled.buckets if compiled is not None else ())
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
         self._adapters.default_kv_layout = config.kv_layout
         if config.kv_layout == "forkkv":

@@ -90,8 +90,8 @@ def test_pad_rows_never_write_the_cache(engines, tokenizer):
         engine.step()
 
 
-def _chunk_beside_decoding(llm, tokenizer) -> tuple[list[int], int, int, list[list[int]]]:
-    """Three sequences (base, LoRA, ICaRus pair) decode, then a 40-row prompt chunk joins
+def _chunk_beside_decoding(llm, tokenizer, chunk: int = 40) -> tuple[list[int], int, int, list[list[int]]]:
+    """Three sequences (base, LoRA, ICaRus pair) decode, then a ``chunk``-row prompt joins
     them: the row counts of the forwards that step ran as, the compiled forwards of that step
     and of it with the rest of the run (0 eager), and every request's greedy tokens."""
     engine = llm.engine
@@ -101,7 +101,7 @@ def _chunk_beside_decoding(llm, tokenizer) -> tuple[list[int], int, int, list[li
     ids = [engine.add_request(p, params, adapter=n) for p, n in zip(prompts, [None, "lora-a", "icarus-a"])]
     engine.step()  # the three prompts
     engine.step()  # a decode step
-    ids.append(engine.add_request(sum(prompts_for(tokenizer, 4), [])[:40], params, adapter="lora-b"))
+    ids.append(engine.add_request((sum(prompts_for(tokenizer, 3), []) * 2)[:chunk], params, adapter="lora-b"))
     runner = engine.runner
     split, seen = runner.split, []
     runner.split = lambda plans, adapters: seen.append(split(plans, adapters)) or seen[-1]
@@ -131,14 +131,17 @@ def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, 
 
 
 def test_larger_buckets_take_a_prompt_chunk_with_the_decode_rows(base, adapters, engines, tokenizer):
-    """With ``compile_max_rows=64`` the same step is one compiled forward of bucket 64; the
-    same tokens as the eager engine."""
+    """With ``compile_max_rows=64`` the step is one compiled forward. 4 decode rows and a
+    56-row chunk fill 60 of bucket 64; a 40-row chunk (44 rows) is cut back to bucket 32 (12
+    rows wait a step rather than 20 pad rows run). The same tokens as the eager engine."""
     _, eager = engines
     wide = LLM(base, list(adapters.values()), compile="on", compile_max_rows=64, **SETTINGS)
     assert wide.engine.runner.compiled.buckets == (1, 2, 4, 8, 16, 32, 64)
-    rows, in_step, _, tokens = _chunk_beside_decoding(wide, tokenizer)
-    assert rows == [44] and in_step == 1  # the whole step through the graph
-    assert tokens == _chunk_beside_decoding(eager, tokenizer)[3]
+    for chunk, want_rows in ((56, [60]), (40, [32])):
+        rows, in_step, _, tokens = _chunk_beside_decoding(wide, tokenizer, chunk)
+        assert rows == want_rows and in_step == 1  # the whole step through the graph
+        assert tokens == _chunk_beside_decoding(eager, tokenizer, chunk)[3]
+    assert _chunk_beside_decoding(eager, tokenizer)[0] == [44]  # eager steps: no buckets, no cut
     with pytest.raises(KvshareError, match="compile_max_rows must be one of"):
         LLM(base, compile="on", compile_max_rows=48, **SETTINGS)
 
