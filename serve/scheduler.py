@@ -163,10 +163,10 @@ class Scheduler:
     def _fill_bucket(self, plan: list[StepPlan]) -> list[StepPlan]:
         """``plan`` with its newest prompt chunks cut back so that the step fits the bucket
         below, when fewer rows wait a step than the bucket above would pad. Why: a compiled
-        step costs its bucket, not its rows (SmolLM2 on 2 cores, 1.6k-token context: 57 ms at
-        64 rows, 78 ms at 65, results/cpu-attention/session19), and a follow-up turn's ~60-row
+        step costs its bucket, not its rows (SmolLM2 on 2 cores after a 1.6k-token prefix: 58 ms
+        at 64 rows, 79 ms at 65, results/cpu-attention/session19), and a follow-up turn's ~60-row
         prompt beside a few decoding pairs lands just past 64. Below :data:`FILL_FROM` rows a
-        step reads the weights whatever its bucket (16 rows: 37 ms, 32: 43 ms): no cut. Every
+        step mostly reads the weights whatever its bucket (16 rows: 38 ms, 32: 42 ms): no cut. Every
         chunk keeps a row; prompt scoring plans are left whole (their rows do not shrink one
         per token)."""
         rows = sum(p.num_rows for p in plan)

@@ -13,7 +13,9 @@ It is built with ``torch.utils.cpp_extension`` (the compiler Inductor uses too) 
 ``$KVSHARE_HOME/ext/<source, torch and CPU digest>``, once per machine, with ``-march=native``
 (hence the CPU in the digest). Where it cannot be built (no compiler), the backend is the
 torch reference, with one warning. Sequences with more rows than :data:`FEW_ROWS` (prompt
-chunks, compute-bound) take SDPA, which uses the CPU's matrix units.
+chunks, compute-bound) take the kernel too where it runs them on AMX tiles (bfloat16, 64-dim
+heads: the weighted values are tile products as well), else SDPA, which uses the CPU's matrix
+units.
 
 The same extension unpacks PyTorch's packed int4 weights for prompt chunks
 (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`).
@@ -33,7 +35,7 @@ from ..metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: SDPA's matrix units win
+FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (AMX tiles or SDPA's) win
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
@@ -100,8 +102,9 @@ class Layout:
 def chunks_on_tiles(q: torch.Tensor) -> bool:
     """Whether the kernel runs prompt chunks of ``q``'s dtype and head size on AMX tiles, both
     the scores and the weighted values (bfloat16, 64-dim heads, a CPU with AMX). Measured on 2
-    Sapphire Rapids cores: a 60-row chunk over 1.6k keys in 30 layers took about 10 ms against
-    31-35 ms for SDPA (results/cpu-attention/session19/)."""
+    Sapphire Rapids cores, 30 layers: a 60-row chunk after 1.5k cached keys took 20 ms against
+    32 ms for SDPA, a 1,024-row causal prompt 89 against 103 ms
+    (results/cpu-attention/session19/chunk_sweep.md)."""
     ext = extension()
     return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext.paged_attention_uses_amx()
 
