@@ -1,8 +1,9 @@
 """The C++ CPU paged attention (backend "cpu") against the torch reference: random block
 layouts, partial blocks, GQA ratios 1/3/4, head sizes the kernel specialises (64, 128) and
 others, float32/bfloat16/float16, decode rows, ICaRus pairs, read-only rows, prompt rows, and prompt chunks
-(left to SDPA, except in bfloat16 with 64-dim heads on AMX, where the kernel takes them on
-tiles). Also: "auto" picks it on CPU, and only the sequences asked for are written."""
+(left to SDPA, except in bfloat16 with 64-dim heads where the CPU has AMX tiles or AVX512-BF16
+dot products: the kernel takes them). Also: "auto" picks it on CPU, and only the sequences
+asked for are written."""
 
 from __future__ import annotations
 
@@ -72,32 +73,47 @@ def test_cpu_kernel_in_half_precision_stays_within_rounding(dtype):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def _cpu_flags() -> set[str]:
+    return set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+
+
 def _has_amx() -> bool:
-    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    return {"amx_tile", "amx_bf16", "avx512f"} <= set(flags)
+    return {"amx_tile", "amx_bf16", "avx512f", "avx512_bf16"} <= _cpu_flags()
+
+
+def _has_avx512_bf16() -> bool:
+    return {"avx512f", "avx512_bf16"} <= _cpu_flags()
 
 
 def test_bfloat16_with_64_dim_heads_takes_amx_where_the_cpu_has_it():
-    """Else the AMX path below would be tested only where it does not run."""
-    assert cpu.extension().paged_attention_uses_amx() == _has_amx()
-
-
-@pytest.fixture(params=[True, False], ids=["amx", "generic"])
-def amx(request):
-    """Both paths of bfloat16 64-dim heads (on a CPU without AMX both are the generic one)."""
+    """Else the AMX and dot-product paths below would be tested only where they do not run."""
     ext = cpu.extension()
-    ext.paged_attention_set_amx(request.param)
-    yield request.param and _has_amx()
+    assert ext.paged_attention_uses_amx() == _has_amx()
+    want = "amx" if _has_amx() else "avx512bf16" if _has_avx512_bf16() else ""
+    assert ext.paged_attention_chunk_path() == want
+
+
+@pytest.fixture(params=["amx", "avx512bf16", "generic"])
+def chunk_path(request):
+    """Each path of bfloat16 64-dim heads: AMX tiles, AVX512-BF16 dot products (prompt chunks
+    only; few rows take the generic path there), neither (chunks to SDPA). Yields the chunk
+    path this machine then runs ("" where it lacks the asked one: the generic path)."""
+    ext = cpu.extension()
+    ext.paged_attention_set_amx(request.param == "amx")
+    ext.paged_attention_set_dpbf16(request.param == "avx512bf16")
+    has = {"amx": _has_amx(), "avx512bf16": _has_avx512_bf16(), "generic": False}[request.param]
+    yield request.param if has else ""
     ext.paged_attention_set_amx(True)
+    ext.paged_attention_set_dpbf16(True)
 
 
 @pytest.mark.parametrize("block", [16, 5, 32])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block, amx):
+def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block, chunk_path):
     """Tiles of 16 keys across blocks of 5, 16 and 32 keys, groups of 1 to 8 vectors (ICaRus
-    pairs at GQA 4 fill one), rows of unequal lengths; the AMX path and the generic one."""
-    assert cpu.extension().paged_attention_uses_amx() == amx
+    pairs at GQA 4 fill one), rows of unequal lengths; every path."""
+    assert cpu.extension().paged_attention_chunk_path() == chunk_path
     gen = torch.Generator().manual_seed(block + heads[0])
     q, k_cache, v_cache, meta = _case(gen, LAYOUTS[layout], *heads, 64, block, torch.bfloat16)
     got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
@@ -105,10 +121,10 @@ def test_bfloat16_64_dim_heads_equal_the_reference(layout, heads, block, amx):
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
-def test_chunks_take_the_kernel_on_amx_and_sdpa_elsewhere(monkeypatch, amx):
-    """In bfloat16 with 64-dim heads a chunk's weighted values are tile products too (weights
-    rounded to bfloat16, as SDPA's CPU flash attention rounds them); scores spread over a
-    wide range (near-zero weights, exponents far below 0) still match the reference."""
+def test_chunks_take_the_kernel_on_amx_or_avx512_bf16_and_sdpa_elsewhere(monkeypatch, chunk_path):
+    """In bfloat16 with 64-dim heads a chunk's weighted values are tile or dot products too
+    (weights rounded to bfloat16, as SDPA's CPU flash attention rounds them); scores spread
+    over a wide range (near-zero weights, exponents far below 0) still match the reference."""
     import torch.nn.functional as F
 
     calls = []
@@ -118,7 +134,7 @@ def test_chunks_take_the_kernel_on_amx_and_sdpa_elsewhere(monkeypatch, amx):
     q, k_cache, v_cache, meta = _case(gen, [list(range(40, 100)), [7, 7]], 9, 3, 64, 16, torch.bfloat16)
     q = q * 8  # scores of about +-60
     got = cpu.paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
-    assert bool(calls) == (not amx) and cpu.chunks_on_tiles(q) == amx
+    assert bool(calls) == (chunk_path == "") and cpu.chunks_in_kernel(q) == (chunk_path != "")
     want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 

@@ -13,9 +13,9 @@ It is built with ``torch.utils.cpp_extension`` (the compiler Inductor uses too) 
 ``$KVSHARE_HOME/ext/<source, torch and CPU digest>``, once per machine, with ``-march=native``
 (hence the CPU in the digest). Where it cannot be built (no compiler), the backend is the
 torch reference, with one warning. Sequences with more rows than :data:`FEW_ROWS` (prompt
-chunks, compute-bound) take the kernel too where it runs them on AMX tiles (bfloat16, 64-dim
-heads: the weighted values are tile products as well), else SDPA, which uses the CPU's matrix
-units.
+chunks, compute-bound) take the kernel too in bfloat16 with 64-dim heads where the CPU has
+AMX tiles or AVX512-BF16 dot products (``paged_attention_chunk_path()``: ``"amx"``,
+``"avx512bf16"`` or ``""``), else SDPA.
 
 The same extension unpacks PyTorch's packed int4 weights for prompt chunks
 (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`).
@@ -35,7 +35,7 @@ from ..metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (AMX tiles or SDPA's) win
+FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
@@ -95,26 +95,28 @@ class Layout:
         few = [end - start <= FEW_ROWS for start, end in meta.seq_bounds]
         self.large = [s for s, is_few in enumerate(few) if not is_few]
         self.seqs = torch.tensor([s for s, is_few in enumerate(few) if is_few], dtype=torch.int32, device=device)
-        self.every_seq = torch.arange(len(few), dtype=torch.int32, device=device)  # chunks on tiles too
+        self.every_seq = torch.arange(len(few), dtype=torch.int32, device=device)  # chunks in the kernel too
         self.starts, self.tables = meta.query_start_loc, meta.block_tables  # int32, contiguous (the kernel checks)
 
 
-def chunks_on_tiles(q: torch.Tensor) -> bool:
-    """Whether the kernel runs prompt chunks of ``q``'s dtype and head size on AMX tiles, both
-    the scores and the weighted values (bfloat16, 64-dim heads, a CPU with AMX). Measured on 2
-    Sapphire Rapids cores, 30 layers: a 60-row chunk after 1.5k cached keys took 20 ms against
-    32 ms for SDPA, a 1,024-row causal prompt 89 against 103 ms
-    (results/cpu-attention/session19/chunk_sweep.md)."""
+def chunks_in_kernel(q: torch.Tensor) -> bool:
+    """Whether the kernel runs prompt chunks of ``q``'s dtype and head size, both the scores and
+    the weighted values: bfloat16 with 64-dim heads, on AMX tiles or else in AVX512-BF16 dot
+    products. Measured on 2 Sapphire Rapids cores, 30 layers: a 60-row chunk after 1.5k cached
+    keys took 20 ms on tiles against 32 ms for SDPA, a 1,024-row causal prompt 89 against 103 ms
+    (results/cpu-attention/session19/chunk_sweep.md). On 2 AMD EPYC cores (AVX512-BF16, no AMX),
+    where SDPA's CPU flash attention runs bfloat16 no faster than float32: see
+    results/cpu-attention/session20/."""
     ext = extension()
-    return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext.paged_attention_uses_amx()
+    return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext.paged_attention_chunk_path() != ""
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout, meta: AttentionMetadata,
            scale: float, out: torch.Tensor) -> torch.Tensor:
     """Fill ``out`` (like ``q``) with the attention of the step's rows over the paged cache:
-    few-row sequences by the kernel; prompt chunks by the kernel where it runs them on AMX
-    tiles (:func:`chunks_on_tiles`), else by SDPA over their gathered keys."""
-    seqs, large = (layout.every_seq, ()) if layout.large and chunks_on_tiles(q) else (layout.seqs, layout.large)
+    few-row sequences by the kernel; prompt chunks by the kernel where it runs them
+    (:func:`chunks_in_kernel`), else by SDPA over their gathered keys."""
+    seqs, large = (layout.every_seq, ()) if layout.large and chunks_in_kernel(q) else (layout.seqs, layout.large)
     if len(seqs):
         extension().paged_attention(q, k_cache, v_cache, layout.tables, layout.starts, layout.row_lens, seqs,
                                     scale, out)

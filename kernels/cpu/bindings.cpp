@@ -7,6 +7,8 @@ void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
 bool paged_attention_uses_amx();
 int64_t paged_attention_chunk_rows();
 void paged_attention_set_amx(bool on);
+std::string paged_attention_chunk_path();
+void paged_attention_set_dpbf16(bool on);
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,5 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_uses_amx", &paged_attention_uses_amx);
   m.def("paged_attention_chunk_rows", &paged_attention_chunk_rows);
   m.def("paged_attention_set_amx", &paged_attention_set_amx);
+  m.def("paged_attention_chunk_path", &paged_attention_chunk_path);
+  m.def("paged_attention_set_dpbf16", &paged_attention_set_dpbf16);
   m.def("int4_expand", &int4_expand);
 }

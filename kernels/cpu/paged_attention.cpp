@@ -17,13 +17,18 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#define KVSHARE_BF16_CHUNKS 1  // prompt chunks in the kernel: on AMX tiles, else AVX512-BF16 dot products
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#define KVSHARE_AMX 1
+#endif
 #endif
 
 namespace {
@@ -157,7 +162,21 @@ GroupFn<T, D> group_fn(int64_t g) {
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef KVSHARE_BF16_CHUNKS
+// The 16 x 16 scores of 16 keys (rows of out) by 16 vectors (columns), times ``by``, into
+// sc[j * longest + t0 + key] for the first n keys of each vector j < G
+template <int G>
+inline void store_score_columns(const float (&out)[16][16], __m512 by, float* sc, int64_t longest, int64_t t0,
+                                int64_t n) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __mmask16 mask = n < 16 ? static_cast<__mmask16>((1u << n) - 1) : static_cast<__mmask16>(0xffff);
+#pragma GCC unroll 8
+  for (int j = 0; j < G; ++j)  // column j of out: vector j's scores
+    _mm512_mask_storeu_ps(sc + j * longest + t0, mask, _mm512_mul_ps(_mm512_i32gather_ps(column, &out[0][j], 4), by));
+}
+#endif
+
+#ifdef KVSHARE_AMX
 // Bfloat16 caches with 64-dim heads (SmolLM2's and many small models') on CPUs with AMX,
 // where the kernel lets this process use it. Why a second path: the generic score pass takes
 // one horizontal sum per key and query vector, so its work grows with the group (an ICaRus
@@ -168,7 +187,6 @@ GroupFn<T, D> group_fn(int64_t g) {
 // one row. The weighted values stay float FMAs with the accumulators in registers (an AMX
 // value pass, with the weights split into two bfloat16 parts to keep float accuracy, measured
 // no faster: it needs the values re-laid out pairwise by key).
-#define KVSHARE_AMX 1
 
 std::atomic<bool> amx_wanted{true};  // paged_attention_set_amx: off runs the generic path (benchmarks, tests)
 
@@ -204,7 +222,6 @@ void score_pass_amx(const c10::BFloat16* q, float scale, int64_t token_stride, f
   _tile_loadd(4, b[1], 64);
   alignas(64) float out[16][16];
   alignas(64) c10::BFloat16 padded[16 * 64];
-  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   const __m512 by = _mm512_set1_ps(scale);
   walk([&](const c10::BFloat16* keys, int64_t n, int64_t t0) {
     int64_t stride = token_stride;
@@ -220,10 +237,7 @@ void score_pass_amx(const c10::BFloat16* q, float scale, int64_t token_stride, f
     _tile_dpbf16ps(0, 1, 3);
     _tile_dpbf16ps(0, 2, 4);
     _tile_stored(0, out, 64);
-    const __mmask16 mask = n < 16 ? static_cast<__mmask16>((1u << n) - 1) : static_cast<__mmask16>(0xffff);
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j)  // column j of out: vector j's scores
-      _mm512_mask_storeu_ps(sc + j * longest + t0, mask, _mm512_mul_ps(_mm512_i32gather_ps(column, &out[0][j], 4), by));
+    store_score_columns<G>(out, by, sc, longest, t0, n);
   });
   _tile_release();
 }
@@ -288,6 +302,11 @@ inline AmxGroupFn amx_group_fn(int64_t g) {
   }
 }
 
+#endif  // KVSHARE_AMX
+
+#ifdef KVSHARE_BF16_CHUNKS
+std::atomic<bool> dpbf16_wanted{true};  // paged_attention_set_dpbf16: off leaves chunks to SDPA where AMX is not used
+
 // e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
 // e^r by its Taylor polynomial to r^7 (relative error below 2e-8), times 2^n. Why our own: the
 // compiler calls libm's scalar expf per score, which took half of a chunk's time.
@@ -345,6 +364,7 @@ void values_in_pairs(const c10::BFloat16* vbase, const Cache& vc, const int32_t*
   }
 }
 
+#ifdef KVSHARE_AMX
 // Weighted values of 16 vectors on tiles: acc_out (16 x 64, float) = weights (16 x longest
 // bfloat16, row stride ``stride``, zero past each vector's keys and up to the tile) times the
 // values in pairs. Tiles: 0-3 the output's 16-dim quarters, 4 the weights of 32 keys, 5 their values.
@@ -378,14 +398,86 @@ void value_pass_amx(const c10::BFloat16* weights, int64_t stride, int64_t longes
   _tile_release();
 }
 
-// Vectors [begin, end) of a prompt chunk's (sequence, KV head) on tiles, 16 at a time: scores
-// as in decode, then the softmax weights rounded to bfloat16 for the value product (as
-// PyTorch's CPU flash attention rounds them, which chunks took before), sums in float.
-void attend_chunk_amx(const c10::BFloat16* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
+#endif  // KVSHARE_AMX
+
+// Scores (times scale) of 16 query vectors, q as raw bfloat16 (16 x 64, zero past the group),
+// over the keys that walk(tile) hands out, as score_pass_amx gives them, in AVX512-BF16 dot
+// products: for CPUs with bfloat16 instructions and no AMX (AMD Zen 4 and later, Intel Cooper
+// Lake), where SDPA's CPU flash attention runs bfloat16 no faster than float32. Per dim pair
+// the 16 vectors' pairs fill one register and each key's pair is broadcast against it; the 16
+// keys' accumulators stay in registers. Exact bfloat16 products, float sums.
+template <typename Walk>
+void score_pass_dpbf16(const c10::BFloat16* q, float scale, int64_t token_stride, float* sc, int64_t longest,
+                       Walk&& walk) {
+  alignas(64) uint32_t b[32][16];  // [dim pair][vector]
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int j = 0; j < 16; ++j)
+    for (int pair = 0; pair < 32; ++pair) b[pair][j] = pairs[j * 32 + pair];
+  alignas(64) float out[16][16];
+  alignas(64) c10::BFloat16 padded[16 * 64];
+  const __m512 by = _mm512_set1_ps(scale);
+  walk([&](const c10::BFloat16* keys, int64_t n, int64_t t0) {
+    int64_t stride = token_stride;
+    if (n < 16) {  // keys past the block's end may lie past the pool's
+      std::memset(padded, 0, sizeof(padded));
+      for (int64_t t = 0; t < n; ++t) std::memcpy(padded + t * 64, keys + t * stride, 64 * sizeof(c10::BFloat16));
+      keys = padded;
+      stride = 64;
+    }
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int pair = 0; pair < 32; ++pair) {
+      const __m512bh qp = (__m512bh)_mm512_load_si512(b[pair]);
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        const int32_t kp = reinterpret_cast<const int32_t*>(keys + k * stride)[pair];
+        acc[k] = _mm512_dpbf16_ps(acc[k], qp, (__m512bh)_mm512_set1_epi32(kp));
+      }
+    }
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) _mm512_store_ps(out[k], acc[k]);  // row k: key k against every vector
+    store_score_columns<16>(out, by, sc, longest, t0, n);
+  });
+}
+
+// Weighted values of 16 vectors, as value_pass_amx takes them (weights: 16 x longest bfloat16,
+// row stride ``stride``, zero past each vector's keys and up to 32 keys; values in pairs), in
+// AVX512-BF16 dot products: per pair of keys, 16 dims of both keys fill one register and each
+// vector's two weights are broadcast against it; one quarter of the dims at a time, so that the
+// 16 vectors' accumulators stay in registers.
+void value_pass_dpbf16(const c10::BFloat16* weights, int64_t stride, int64_t longest, const c10::BFloat16* pairs,
+                       float* acc_out) {
+  const int64_t key_pairs = (longest + 31) / 32 * 16;
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < key_pairs; ++i) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(pairs + i * 128 + 32 * quarter);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const int32_t w = reinterpret_cast<const int32_t*>(weights + j * stride)[i];
+        acc[j] = _mm512_dpbf16_ps(acc[j], v, (__m512bh)_mm512_set1_epi32(w));
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(acc_out + j * 64 + 16 * quarter, acc[j]);
+  }
+}
+
+// Vectors [begin, end) of a prompt chunk's (sequence, KV head), 16 at a time, on AMX tiles
+// (``on_tiles``) or in AVX512-BF16 dot products: scores as in decode, then the softmax weights
+// rounded to bfloat16 for the value product (as PyTorch's CPU flash attention rounds them,
+// which chunks took before), sums in float.
+void attend_chunk(bool on_tiles, const c10::BFloat16* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
                       const int32_t* table, int64_t block_size, const int32_t* row_lens, int64_t first_row,
                       int64_t begin, int64_t end, int64_t kv_head, int64_t ratio, float scale, c10::BFloat16* out,
                       int64_t out_row, int64_t out_head, std::vector<float>& scores,
                       std::vector<c10::BFloat16>& weights, std::vector<c10::BFloat16>& pairs) {
+#ifndef KVSHARE_AMX
+  TORCH_CHECK(!on_tiles, "this build has no AMX path");
+#endif
   using BF16 = c10::BFloat16;
   const BF16* kbase = reinterpret_cast<const BF16*>(kc.base) + kv_head * kc.head;
   const BF16* vbase = reinterpret_cast<const BF16*>(vc.base) + kv_head * vc.head;
@@ -414,18 +506,29 @@ void attend_chunk_amx(const c10::BFloat16* q, int64_t q_row, int64_t q_head, con
     }
     const int64_t padded = (longest + 31) / 32 * 32;
     if (static_cast<int64_t>(scores.size()) < kChunkGroup * longest) scores.resize(kChunkGroup * longest);
-    score_pass_amx<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, [&](auto&& tile) {
+    const auto walk = [&](auto&& tile) {
       for_each_block(kbase, kc, table, block_size, longest, 64,
                      [&](const BF16* block, int64_t t0, int64_t in_block) {
                        for (int64_t o = 0; o < in_block; o += 16)
                          tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
                      });
-    });
+    };
+#ifdef KVSHARE_AMX
+    if (on_tiles)
+      score_pass_amx<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, walk);
+    else
+#endif
+      score_pass_dpbf16(raw, scale, kc.token, scores.data(), longest, walk);
     float total[kChunkGroup];
     weights.assign(kChunkGroup * padded, BF16());
     for (int64_t j = 0; j < g; ++j)
       total[j] = softmax_to_weights(scores.data() + j * longest, lens[j], weights.data() + j * padded);
-    value_pass_amx(weights.data(), padded, longest, pairs.data(), acc);
+#ifdef KVSHARE_AMX
+    if (on_tiles)
+      value_pass_amx(weights.data(), padded, longest, pairs.data(), acc);
+    else
+#endif
+      value_pass_dpbf16(weights.data(), padded, longest, pairs.data(), acc);
     for (int64_t j = 0; j < g; ++j) {
       const int64_t r = row_of(first + j), h = kv_head * ratio + (first + j) % ratio;
       BF16* dst = out + r * out_row + h * out_head;
@@ -443,6 +546,20 @@ bool amx_applies() {
   if constexpr (std::is_same_v<T, c10::BFloat16> && D == 64) return amx_allowed();
 #endif
   return false;
+}
+
+// How prompt chunks (rows > kChunkRows) of 64-dim heads run: SDPA outside the kernel, AMX
+// tiles, or AVX512-BF16 dot products (bfloat16 only)
+enum class ChunkPath { kNone, kTiles, kDotProducts };
+
+template <typename T>
+ChunkPath chunk_path() {
+  if (amx_applies<T, 64>()) return ChunkPath::kTiles;
+#ifdef KVSHARE_BF16_CHUNKS
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (dpbf16_wanted.load(std::memory_order_relaxed)) return ChunkPath::kDotProducts;
+#endif
+  return ChunkPath::kNone;
 }
 
 // The AMX group function, for the types amx_applies to
@@ -513,13 +630,13 @@ struct Task {
 // (sequence, KV head) each, a prompt chunk's split in runs of whole groups so that every core
 // shares even a single chunk, and a causal chunk's cheap early rows balance its late ones
 std::vector<Task> make_tasks(const int32_t* seq, int64_t n, const int32_t* starts, const int32_t* row_lens,
-                             int64_t kv_heads, int64_t ratio, bool chunks_on_tiles) {
+                             int64_t kv_heads, int64_t ratio, bool chunks_in_kernel) {
   std::vector<Task> tasks;
   const int64_t pieces = std::max<int64_t>(1, 8 * at::get_num_threads() / kv_heads);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = seq[i], rows = starts[s + 1] - starts[s], vectors = rows * ratio;
     int64_t span = vectors;
-    if (chunks_on_tiles && rows > kChunkRows)
+    if (chunks_in_kernel && rows > kChunkRows)
       span = std::max<int64_t>(kChunkGroup, (vectors + pieces - 1) / pieces / kChunkGroup * kChunkGroup);
     for (int64_t b = 0; b < vectors; b += span) {
       const int64_t e = std::min(vectors, b + span);
@@ -547,8 +664,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* sp = starts.data_ptr<int32_t>();
   const int32_t* lp = row_lens.data_ptr<int32_t>();
-  const bool chunks_on_tiles = d == 64 && amx_applies<T, 64>();
-  const std::vector<Task> tasks = make_tasks(seqs.data_ptr<int32_t>(), n, sp, lp, kv_heads, ratio, chunks_on_tiles);
+  const ChunkPath chunks = d == 64 ? chunk_path<T>() : ChunkPath::kNone;
+  const std::vector<Task> tasks =
+      make_tasks(seqs.data_ptr<int32_t>(), n, sp, lp, kv_heads, ratio, chunks != ChunkPath::kNone);
   std::atomic<int64_t> next{0};  // tasks are uneven (a chunk's later rows read more keys): hand them out
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
@@ -556,12 +674,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& task = tasks[i];
       const int64_t s = task.seq, h = task.kv_head, rows = sp[s + 1] - sp[s];
-#ifdef KVSHARE_AMX
+#ifdef KVSHARE_BF16_CHUNKS
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (chunks_on_tiles && rows > kChunkRows) {
-          attend_chunk_amx(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], task.begin,
-                           task.end, h, ratio, static_cast<float>(scale), op, out.stride(0), out.stride(1), scores,
-                           weights, pairs);
+        if (chunks != ChunkPath::kNone && rows > kChunkRows) {
+          attend_chunk(chunks == ChunkPath::kTiles, qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size,
+                       lp, sp[s], task.begin, task.end, h, ratio, static_cast<float>(scale), op, out.stride(0),
+                       out.stride(1), scores, weights, pairs);
           continue;
         }
       }
@@ -612,5 +730,22 @@ bool paged_attention_uses_amx() { return amx_applies<c10::BFloat16, 64>(); }
 void paged_attention_set_amx(bool on) {
 #ifdef KVSHARE_AMX
   amx_wanted.store(on, std::memory_order_relaxed);
+#endif
+}
+
+// How bfloat16 prompt chunks with 64-dim heads run here: "amx" (tiles), "avx512bf16" (dot
+// products) or "" (SDPA, outside the kernel)
+std::string paged_attention_chunk_path() {
+  switch (chunk_path<c10::BFloat16>()) {
+    case ChunkPath::kTiles: return "amx";
+    case ChunkPath::kDotProducts: return "avx512bf16";
+    default: return "";
+  }
+}
+
+// Let chunks take AVX512-BF16 dot products where AMX is not used (the default) or not: SDPA
+void paged_attention_set_dpbf16(bool on) {
+#ifdef KVSHARE_BF16_CHUNKS
+  dpbf16_wanted.store(on, std::memory_order_relaxed);
 #endif
 }

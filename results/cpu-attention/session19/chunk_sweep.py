@@ -1,6 +1,9 @@
-"""Prompt chunks on AMX tiles against SDPA over the gathered keys, one process, alternating.
+"""Prompt chunks in the kernel against SDPA over the gathered keys, one process, alternating.
 
-    python results/cpu-attention/session19/chunk_sweep.py   # writes chunk_sweep.json / .md here
+    python results/cpu-attention/session19/chunk_sweep.py [OUT_DIR]   # writes chunk_sweep.json / .md (default: here)
+
+The kernel's chunk path is the machine's: AMX tiles (session 19, Sapphire Rapids) or AVX512-BF16
+dot products (session 20, AMD EPYC); the JSON names it and the CPU.
 
 One sequence's chunk of ``rows`` query rows at the end of ``context`` keys (the rows before
 are a cached prefix; ``rows == context`` is a causal prompt), SmolLM2's heads (9 query heads,
@@ -10,6 +13,7 @@ is what it ran before (gather the blocks, then ``scaled_dot_product_attention``,
 the chunk follows a prefix). Each figure is the best of two timed runs of the pair.
 """
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +27,8 @@ BLOCK, KV_HEADS, HEADS, DIM, LAYERS = 16, 3, 9, 64, 30
 
 
 def main():
-    assert cpu.extension().paged_attention_uses_amx(), "this benchmark measures the AMX chunk path"
+    path = cpu.extension().paged_attention_chunk_path()
+    assert path, "this benchmark measures the kernel's chunk path; this machine has none (SDPA takes chunks)"
     torch.manual_seed(0)
     ext = cpu.extension()
     k_cache = torch.randn(600, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)
@@ -63,8 +68,11 @@ def main():
                "sdpa_over_kernel": round(best["sdpa"] / best["kernel"], 2), "max_abs_diff": round(diff, 4)}
         print(row, flush=True)
         rows_out.append(row)
-    here = Path(__file__).parent
+    here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    here.mkdir(parents=True, exist_ok=True)
+    cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     (here / "chunk_sweep.json").write_text(json.dumps({"threads": torch.get_num_threads(), "layers": LAYERS,
+                                                        "chunk_path": path, "cpu": cpu_model,
                                                         "points": rows_out}, indent=1) + "\n")
     lines = ["| rows | context | kernel ms (30 layers) | SDPA ms | SDPA / kernel | max abs diff |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['context']} | {r['kernel_ms']} | {r['sdpa_ms']} | {r['sdpa_over_kernel']}x | {r['max_abs_diff']} |"
