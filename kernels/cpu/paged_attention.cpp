@@ -6,8 +6,8 @@
 // reads) and then reads the copy again. For a few query rows per sequence the work is
 // bound by reading K/V once; this kernel does only that. Each (sequence, KV head) task
 // keeps its query vectors (every row of the sequence times the query heads sharing that KV
-// head: an ICaRus pair is one group of 2x the heads) in float (the AMX path below: in
-// bfloat16, as they are), walks the sequence's blocks once for the scores and once for the
+// head: an ICaRus pair is one group of 2x the heads) in float (the AMX and AVX512-BF16 paths
+// below: in bfloat16, as they are), walks the sequence's blocks once for the scores and once for the
 // weighted values, and accumulates in float.
 // Rows attend to keys 0..row_len-1; a row_len of 0 (a pad row) gives zeros.
 #include <torch/extension.h>
@@ -23,7 +23,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define KVSHARE_BF16_CHUNKS 1  // prompt chunks in the kernel: on AMX tiles, else AVX512-BF16 dot products
+#define KVSHARE_BF16_CHUNKS 1  // bfloat16 64-dim heads, prompt chunks too: on AMX tiles, else AVX512-BF16 dot products
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -174,6 +174,84 @@ inline void store_score_columns(const float (&out)[16][16], __m512 by, float* sc
   for (int j = 0; j < G; ++j)  // column j of out: vector j's scores
     _mm512_mask_storeu_ps(sc + j * longest + t0, mask, _mm512_mul_ps(_mm512_i32gather_ps(column, &out[0][j], 4), by));
 }
+
+// Weighted values of G vectors' weights sc (G x longest) in float FMAs, into acc_out (G x 64)
+template <int G>
+void value_pass(const float* sc, int64_t longest, const c10::BFloat16* vbase, const Cache& vc, const int32_t* table,
+                int64_t block_size, float* acc_out) {
+  __m512 acc[G][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for_each_block(vbase, vc, table, block_size, longest, 64, [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
+    for (int64_t o = 0; o < in_block; ++o) {
+      const c10::BFloat16* v = block + o * vc.token;
+      __m512 row[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)  // bfloat16 to float: the 16 bits on top
+        row[c] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
+#pragma GCC unroll 8
+      for (int j = 0; j < G; ++j) {
+        const __m512 p = _mm512_set1_ps(sc[j * longest + t0 + o]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);
+      }
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + j * 64 + 16 * c, acc[j][c]);
+}
+
+// Hands a score pass's tile(keys, n <= 16, first token) one KV head's keys 0..longest-1, 16 at a time
+inline auto key_tiles(const c10::BFloat16* kbase, const Cache& kc, const int32_t* table, int64_t block_size,
+                      int64_t longest) {
+  return [=, &kc](auto&& tile) {
+    for_each_block(kbase, kc, table, block_size, longest, 64, [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
+      for (int64_t o = 0; o < in_block; o += 16) tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
+    });
+  };
+}
+
+// Scores (times scale) of G <= 16 query vectors, q as raw bfloat16 (G x 64),
+// over the keys that walk(tile) hands out, as score_pass_amx gives them, in AVX512-BF16 dot
+// products: for CPUs with bfloat16 instructions and no AMX (AMD Zen 4 and later, Intel Cooper
+// Lake), where SDPA's CPU flash attention runs bfloat16 no faster than float32. Per dim pair
+// the 16 vectors' pairs fill one register and each key's pair is broadcast against it; the 16
+// keys' accumulators stay in registers. Exact bfloat16 products, float sums.
+template <int G, typename Walk>
+void score_pass_dpbf16(const c10::BFloat16* q, float scale, int64_t token_stride, float* sc, int64_t longest,
+                       Walk&& walk) {
+  alignas(64) uint32_t b[32][16] = {};  // [dim pair][vector]; vectors past G are zero
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+  for (int j = 0; j < G; ++j)
+    for (int pair = 0; pair < 32; ++pair) b[pair][j] = pairs[j * 32 + pair];
+  alignas(64) float out[16][16];
+  alignas(64) c10::BFloat16 padded[16 * 64];
+  const __m512 by = _mm512_set1_ps(scale);
+  walk([&](const c10::BFloat16* keys, int64_t n, int64_t t0) {
+    int64_t stride = token_stride;
+    if (n < 16) {  // keys past the block's end may lie past the pool's
+      std::memset(padded, 0, sizeof(padded));
+      for (int64_t t = 0; t < n; ++t) std::memcpy(padded + t * 64, keys + t * stride, 64 * sizeof(c10::BFloat16));
+      keys = padded;
+      stride = 64;
+    }
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int pair = 0; pair < 32; ++pair) {
+      const __m512bh qp = (__m512bh)_mm512_load_si512(b[pair]);
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        const int32_t kp = reinterpret_cast<const int32_t*>(keys + k * stride)[pair];
+        acc[k] = _mm512_dpbf16_ps(acc[k], qp, (__m512bh)_mm512_set1_epi32(kp));
+      }
+    }
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) _mm512_store_ps(out[k], acc[k]);  // row k: key k against every vector
+    store_score_columns<G>(out, by, sc, longest, t0, n);
+  });
+}
 #endif
 
 #ifdef KVSHARE_AMX
@@ -242,70 +320,48 @@ void score_pass_amx(const c10::BFloat16* q, float scale, int64_t token_stride, f
   _tile_release();
 }
 
-// Weighted values of G vectors' weights sc (G x longest) in float FMAs, into acc_out (G x 64)
-template <int G>
-void value_pass(const float* sc, int64_t longest, const c10::BFloat16* vbase, const Cache& vc, const int32_t* table,
-                int64_t block_size, float* acc_out) {
-  __m512 acc[G][4];
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
-  for_each_block(vbase, vc, table, block_size, longest, 64, [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
-    for (int64_t o = 0; o < in_block; ++o) {
-      const c10::BFloat16* v = block + o * vc.token;
-      __m512 row[4];
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)  // bfloat16 to float: the 16 bits on top
-        row[c] = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(sc[j * longest + t0 + o]);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);
-      }
-    }
-  });
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + j * 64 + 16 * c, acc[j][c]);
-}
+#endif  // KVSHARE_AMX
 
-// attend_group for bfloat16 and 64 dims on AMX: q holds G raw bfloat16 query vectors
-template <int G>
-void attend_group_amx(const c10::BFloat16* q, const int64_t* lens, int64_t longest, float scale,
-                      const c10::BFloat16* kbase, const c10::BFloat16* vbase, const Cache& kc, const Cache& vc,
-                      const int32_t* table, int64_t block_size, float* sc, float* total, float* acc_out) {
-  score_pass_amx<G>(q, scale, kc.token, sc, longest, [&](auto&& tile) {
-    for_each_block(kbase, kc, table, block_size, longest, 64,
-                   [&](const c10::BFloat16* block, int64_t t0, int64_t in_block) {
-                     for (int64_t o = 0; o < in_block; o += 16)
-                       tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
-                   });
-  });
+#ifdef KVSHARE_BF16_CHUNKS
+// paged_attention_set_dpbf16: off runs the generic path where AMX is not used (few rows in float,
+// chunks by SDPA), for benchmarks and tests
+std::atomic<bool> dpbf16_wanted{true};
+
+// attend_group for bfloat16 and 64 dims: q holds G raw bfloat16 query vectors, scored on AMX
+// tiles (``OnTiles``, AMX builds) or in AVX512-BF16 dot products
+template <int G, bool OnTiles>
+void attend_group_bf16(const c10::BFloat16* q, const int64_t* lens, int64_t longest, float scale,
+                       const c10::BFloat16* kbase, const c10::BFloat16* vbase, const Cache& kc, const Cache& vc,
+                       const int32_t* table, int64_t block_size, float* sc, float* total, float* acc_out) {
+  const auto walk = key_tiles(kbase, kc, table, block_size, longest);
+#ifdef KVSHARE_AMX
+  if constexpr (OnTiles)
+    score_pass_amx<G>(q, scale, kc.token, sc, longest, walk);
+  else
+#endif
+    score_pass_dpbf16<G>(q, scale, kc.token, sc, longest, walk);
   softmax_rows(sc, lens, longest, G, total);
   value_pass<G>(sc, longest, vbase, vc, table, block_size, acc_out);
 }
 
-using AmxGroupFn = void (*)(const c10::BFloat16*, const int64_t*, int64_t, float, const c10::BFloat16*,
-                            const c10::BFloat16*, const Cache&, const Cache&, const int32_t*, int64_t, float*, float*,
-                            float*);
+using Bf16GroupFn = void (*)(const c10::BFloat16*, const int64_t*, int64_t, float, const c10::BFloat16*,
+                             const c10::BFloat16*, const Cache&, const Cache&, const int32_t*, int64_t, float*, float*,
+                             float*);
 
-inline AmxGroupFn amx_group_fn(int64_t g) {
+template <bool OnTiles>
+inline Bf16GroupFn bf16_group_fn(int64_t g) {
   switch (g) {
-    case 1: return attend_group_amx<1>;
-    case 2: return attend_group_amx<2>;
-    case 3: return attend_group_amx<3>;
-    case 4: return attend_group_amx<4>;
-    case 5: return attend_group_amx<5>;
-    case 6: return attend_group_amx<6>;
-    case 7: return attend_group_amx<7>;
-    default: return attend_group_amx<8>;
+    case 1: return attend_group_bf16<1, OnTiles>;
+    case 2: return attend_group_bf16<2, OnTiles>;
+    case 3: return attend_group_bf16<3, OnTiles>;
+    case 4: return attend_group_bf16<4, OnTiles>;
+    case 5: return attend_group_bf16<5, OnTiles>;
+    case 6: return attend_group_bf16<6, OnTiles>;
+    case 7: return attend_group_bf16<7, OnTiles>;
+    default: return attend_group_bf16<8, OnTiles>;
   }
 }
 
-#endif  // KVSHARE_AMX
-
-#ifdef KVSHARE_BF16_CHUNKS
-std::atomic<bool> dpbf16_wanted{true};  // paged_attention_set_dpbf16: off leaves chunks to SDPA where AMX is not used
 
 // e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
 // e^r by its Taylor polynomial to r^7 (relative error below 2e-8), times 2^n. Why our own: the
@@ -400,47 +456,6 @@ void value_pass_amx(const c10::BFloat16* weights, int64_t stride, int64_t longes
 
 #endif  // KVSHARE_AMX
 
-// Scores (times scale) of 16 query vectors, q as raw bfloat16 (16 x 64, zero past the group),
-// over the keys that walk(tile) hands out, as score_pass_amx gives them, in AVX512-BF16 dot
-// products: for CPUs with bfloat16 instructions and no AMX (AMD Zen 4 and later, Intel Cooper
-// Lake), where SDPA's CPU flash attention runs bfloat16 no faster than float32. Per dim pair
-// the 16 vectors' pairs fill one register and each key's pair is broadcast against it; the 16
-// keys' accumulators stay in registers. Exact bfloat16 products, float sums.
-template <typename Walk>
-void score_pass_dpbf16(const c10::BFloat16* q, float scale, int64_t token_stride, float* sc, int64_t longest,
-                       Walk&& walk) {
-  alignas(64) uint32_t b[32][16];  // [dim pair][vector]
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
-  for (int j = 0; j < 16; ++j)
-    for (int pair = 0; pair < 32; ++pair) b[pair][j] = pairs[j * 32 + pair];
-  alignas(64) float out[16][16];
-  alignas(64) c10::BFloat16 padded[16 * 64];
-  const __m512 by = _mm512_set1_ps(scale);
-  walk([&](const c10::BFloat16* keys, int64_t n, int64_t t0) {
-    int64_t stride = token_stride;
-    if (n < 16) {  // keys past the block's end may lie past the pool's
-      std::memset(padded, 0, sizeof(padded));
-      for (int64_t t = 0; t < n; ++t) std::memcpy(padded + t * 64, keys + t * stride, 64 * sizeof(c10::BFloat16));
-      keys = padded;
-      stride = 64;
-    }
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-    for (int pair = 0; pair < 32; ++pair) {
-      const __m512bh qp = (__m512bh)_mm512_load_si512(b[pair]);
-#pragma GCC unroll 16
-      for (int k = 0; k < 16; ++k) {
-        const int32_t kp = reinterpret_cast<const int32_t*>(keys + k * stride)[pair];
-        acc[k] = _mm512_dpbf16_ps(acc[k], qp, (__m512bh)_mm512_set1_epi32(kp));
-      }
-    }
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; ++k) _mm512_store_ps(out[k], acc[k]);  // row k: key k against every vector
-    store_score_columns<16>(out, by, sc, longest, t0, n);
-  });
-}
-
 // Weighted values of 16 vectors, as value_pass_amx takes them (weights: 16 x longest bfloat16,
 // row stride ``stride``, zero past each vector's keys and up to 32 keys; values in pairs), in
 // AVX512-BF16 dot products: per pair of keys, 16 dims of both keys fill one register and each
@@ -506,19 +521,13 @@ void attend_chunk(bool on_tiles, const c10::BFloat16* q, int64_t q_row, int64_t 
     }
     const int64_t padded = (longest + 31) / 32 * 32;
     if (static_cast<int64_t>(scores.size()) < kChunkGroup * longest) scores.resize(kChunkGroup * longest);
-    const auto walk = [&](auto&& tile) {
-      for_each_block(kbase, kc, table, block_size, longest, 64,
-                     [&](const BF16* block, int64_t t0, int64_t in_block) {
-                       for (int64_t o = 0; o < in_block; o += 16)
-                         tile(block + o * kc.token, std::min<int64_t>(16, in_block - o), t0 + o);
-                     });
-    };
+    const auto walk = key_tiles(kbase, kc, table, block_size, longest);
 #ifdef KVSHARE_AMX
     if (on_tiles)
       score_pass_amx<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, walk);
     else
 #endif
-      score_pass_dpbf16(raw, scale, kc.token, scores.data(), longest, walk);
+      score_pass_dpbf16<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, walk);
     float total[kChunkGroup];
     weights.assign(kChunkGroup * padded, BF16());
     for (int64_t j = 0; j < g; ++j)
@@ -562,18 +571,19 @@ ChunkPath chunk_path() {
   return ChunkPath::kNone;
 }
 
-// The AMX group function, for the types amx_applies to
+// The group function of a raw bfloat16 path (tiles or dot products), for the types it applies to
 template <typename T>
-void attend_group_amx_for(int64_t g, const T* raw_q, const int64_t* lens, int64_t longest, float scale,
-                          const T* kbase, const T* vbase, const Cache& kc, const Cache& vc, const int32_t* table,
-                          int64_t block_size, float* sc, float* total, float* acc_out) {
-#ifdef KVSHARE_AMX
+void attend_group_raw(ChunkPath path, int64_t g, const T* raw_q, const int64_t* lens, int64_t longest, float scale,
+                      const T* kbase, const T* vbase, const Cache& kc, const Cache& vc, const int32_t* table,
+                      int64_t block_size, float* sc, float* total, float* acc_out) {
+#ifdef KVSHARE_BF16_CHUNKS
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    amx_group_fn(g)(raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, sc, total, acc_out);
+    (path == ChunkPath::kTiles ? bf16_group_fn<true>(g) : bf16_group_fn<false>(g))(
+        raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, sc, total, acc_out);
     return;
   }
 #endif
-  TORCH_CHECK(false, "no AMX path for this dtype");
+  TORCH_CHECK(false, "no bfloat16 tile or dot-product path for this dtype");
 }
 
 // Every row of one sequence for one KV head, kGroup query vectors at a time.
@@ -587,9 +597,12 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
   const T* vbase = reinterpret_cast<const T*>(vc.base) + kv_head * vc.head;
   const int64_t vectors = rows * ratio;
   std::vector<float> qf(kGroup * d), acc(kGroup * d);
-  const bool amx = amx_applies<T, D>();
-  std::vector<T> raw(amx ? kGroup * d : 0);
-  T* raw_q = amx ? raw.data() : nullptr;  // the AMX path takes the query vectors as they are
+  ChunkPath path = D == 64 ? chunk_path<T>() : ChunkPath::kNone;  // few-row groups take the chunks' path, except:
+  // a single row per sequence is bound by reading K/V, and there the generic path measured faster than dot
+  // products (0.93x), which pay off from an ICaRus pair on (1.10x; results/cpu-attention/session20)
+  if (path == ChunkPath::kDotProducts && rows == 1) path = ChunkPath::kNone;
+  std::vector<T> raw(path != ChunkPath::kNone ? kGroup * d : 0);
+  T* raw_q = path != ChunkPath::kNone ? raw.data() : nullptr;  // those paths take the query vectors as they are
   for (int64_t first = 0; first < vectors; first += kGroup) {
     const int64_t g = std::min<int64_t>(kGroup, vectors - first);
     int64_t lens[kGroup], longest = 0;
@@ -606,8 +619,8 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
     if (static_cast<int64_t>(scores.size()) < g * longest) scores.resize(g * longest);
     float total[kGroup];
     if (raw_q)
-      attend_group_amx_for(g, raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, scores.data(),
-                           total, acc.data());
+      attend_group_raw(path, g, raw_q, lens, longest, scale, kbase, vbase, kc, vc, table, block_size, scores.data(),
+                       total, acc.data());
     else
       (D ? group_fn<T, D>(g) : attend_group<T, 0, 0>)(qf.data(), lens, longest, g, d, kbase, vbase, kc, vc, table,
                                                       block_size, scores.data(), total, acc.data());

@@ -4,8 +4,8 @@
 8 sequences of 1500-2000 tokens in shuffled blocks (30 layers; about 330 MB, far beyond the
 caches) and times, per step (every layer once, as a decode step does, writing each sequence's new K/V): the compiled CPU step's
 torch path (:class:`StepAttention`: gather, then one SDPA call) and the C++ kernel (``cpu``:
-its generic path, and ``cpu+amx``: AMX scores, where the CPU has AMX), for decode rows and
-ICaRus pairs. Each figure is the mean of 20 steps after one untimed.
+its generic path, ``cpu+amx``: AMX scores, where the CPU has AMX, and ``cpu+dpbf16``: AVX512-BF16
+dot-product scores, where the CPU has those instructions), for decode rows and ICaRus pairs. Each figure is the mean of 20 steps after one untimed.
 """
 
 import random
@@ -53,15 +53,20 @@ if __name__ == "__main__":
         q = torch.randn(len(row_seq), HEADS, D).bfloat16()
         k, v = (torch.randn(len(row_seq), KV_HEADS, D).bfloat16() for _ in range(2))
         times = {}
-        for name, kernel, amx in (("torch", False, False), ("cpu", True, False), ("cpu+amx", True, True)):
-            cpu.extension().paged_attention_set_amx(amx)
-            if amx and not cpu.extension().paged_attention_uses_amx():
-                continue  # no AMX here: "cpu" is the kernel's whole story
+        ext = cpu.extension()
+        for name, kernel, path in (("torch", False, ""), ("cpu", True, ""), ("cpu+amx", True, "amx"),
+                                   ("cpu+dpbf16", True, "avx512bf16")):
+            ext.paged_attention_set_amx(path == "amx")
+            ext.paged_attention_set_dpbf16(path == "avx512bf16")
+            if ext.paged_attention_chunk_path() != path:
+                continue  # this machine lacks that path
             attention = StepAttention(meta, len(row_seq), ratio, kernel)
             times[name] = step_ms(lambda: [attention(q, k, v, views[i][0], views[i][1], D ** -0.5, *views[i][2:])
                                            for i in range(LAYERS)])
-        cpu.extension().paged_attention_set_amx(True)
+        ext.paged_attention_set_amx(True)
+        ext.paged_attention_set_dpbf16(True)
         by_name = "  ".join(f"{name} {ms:6.1f} ms" for name, ms in times.items())
-        best = min(times["cpu"], times.get("cpu+amx", times["cpu"]))
+        best = min(ms for name, ms in times.items() if name != "torch")
         print(f"{what:12s} {by_name}  torch / best cpu {times['torch'] / best:.2f}x"
-              + (f"  generic / amx {times['cpu'] / times['cpu+amx']:.2f}x" if "cpu+amx" in times else ""))
+              + "".join(f"  generic / {name[4:]} {times['cpu'] / times[name]:.2f}x"
+                        for name in ("cpu+amx", "cpu+dpbf16") if name in times))
