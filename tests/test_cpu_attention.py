@@ -96,8 +96,8 @@ def test_bfloat16_with_64_dim_heads_takes_amx_where_the_cpu_has_it():
 @pytest.fixture(params=["amx", "avx512bf16", "generic"])
 def chunk_path(request):
     """Each path of bfloat16 64-dim heads: AMX tiles, AVX512-BF16 dot products (prompt chunks
-    only; few rows take the generic path there), neither (chunks to SDPA). Yields the chunk
-    path this machine then runs ("" where it lacks the asked one: the generic path)."""
+    and sequences of 2-16 rows; a single row takes the generic path there), neither (chunks to
+    SDPA). Yields the chunk path this machine then runs ("" where it lacks the asked one)."""
     ext = cpu.extension()
     ext.paged_attention_set_amx(request.param == "amx")
     ext.paged_attention_set_dpbf16(request.param == "avx512bf16")
