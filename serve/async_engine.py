@@ -35,23 +35,33 @@ class _Mailbox:
 
     A ``RequestOutput`` is cumulative (all tokens and text so far), so a reader that falls
     behind needs only the latest: a slow or stalled streaming client costs O(output) memory,
-    not a copy of the output per token (an unbounded queue grew quadratically).
+    not a copy of the output per token (an unbounded queue grew quadratically). An error is
+    final and comes after the output still undelivered when it arrived, so a reader that fell
+    behind still gets the tokens made before the failure (and a stream that had made some
+    fails mid-stream, not as if it had never started).
     """
 
     def __init__(self):
         self._item = None
+        self._error: Exception | None = None
         self._ready = asyncio.Event()
 
     def put(self, item) -> None:  # runs on the event loop (call_soon_threadsafe)
-        if isinstance(self._item, Exception):
+        if self._error is not None:
             return  # an error is final
-        self._item = item
+        if isinstance(item, Exception):
+            self._error = item
+        else:
+            self._item = item
         self._ready.set()
 
     async def get(self):
         await self._ready.wait()
-        self._ready.clear()
         item, self._item = self._item, None
+        if item is None:
+            return self._error  # stays set: every later get() gets it too
+        if self._error is None:
+            self._ready.clear()
         return item
 
 
