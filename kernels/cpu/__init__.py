@@ -7,7 +7,8 @@ Rapids cores, 8 sequences of about 1.8k tokens, SmolLM2's 30 layers: the gather 
 took 85-95 ms a step, where reading the KV once costs about 16 ms (``results/cpu-attention/``).
 The kernel reads K and V in place, once each. For bfloat16 caches with 64-dim heads on CPUs
 with AMX it scores 16 keys against every query vector of a group in one tile product
-(``paged_attention_uses_amx()`` says whether this machine does).
+(``paged_attention_uses_amx()`` says whether this machine does); on CPUs with AVX512-BF16 and
+no AMX, groups of sequences with more than one row (ICaRus pairs) score in dot products.
 
 It is built with ``torch.utils.cpp_extension`` (the compiler Inductor uses too) into
 ``$KVSHARE_HOME/ext/<source, torch and CPU digest>``, once per machine, with ``-march=native``

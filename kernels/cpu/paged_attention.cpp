@@ -586,9 +586,10 @@ void attend_group_raw(ChunkPath path, int64_t g, const T* raw_q, const int64_t* 
   TORCH_CHECK(false, "no bfloat16 tile or dot-product path for this dtype");
 }
 
-// Every row of one sequence for one KV head, kGroup query vectors at a time.
+// Every row of one sequence for one KV head, kGroup query vectors at a time; ``chunks`` is the
+// call's bfloat16 64-dim path (run() decides it once per call)
 template <typename T, int D>
-void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
+void attend_task(ChunkPath chunks, const T* q, int64_t q_row, int64_t q_head, const Cache& kc, const Cache& vc,
                  const int32_t* table, int64_t block_size, const int32_t* row_lens, int64_t first_row,
                  int64_t rows, int64_t kv_head, int64_t ratio, int64_t head_dim, float scale, T* out,
                  int64_t out_row, int64_t out_head, std::vector<float>& scores) {
@@ -597,7 +598,7 @@ void attend_task(const T* q, int64_t q_row, int64_t q_head, const Cache& kc, con
   const T* vbase = reinterpret_cast<const T*>(vc.base) + kv_head * vc.head;
   const int64_t vectors = rows * ratio;
   std::vector<float> qf(kGroup * d), acc(kGroup * d);
-  ChunkPath path = D == 64 ? chunk_path<T>() : ChunkPath::kNone;  // few-row groups take the chunks' path, except:
+  ChunkPath path = D == 64 ? chunks : ChunkPath::kNone;  // few-row groups take the chunks' path, except:
   // a single row per sequence is bound by reading K/V, and there the generic path measured faster than dot
   // products (0.93x), which pay off from an ICaRus pair on (1.10x; results/cpu-attention/session20)
   if (path == ChunkPath::kDotProducts && rows == 1) path = ChunkPath::kNone;
@@ -698,7 +699,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       }
 #endif
       auto task_fn = d == 64 ? attend_task<T, 64> : d == 128 ? attend_task<T, 128> : attend_task<T, 0>;
-      task_fn(qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], rows, h, ratio, d,
+      task_fn(chunks, qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size, lp, sp[s], rows, h, ratio, d,
               static_cast<float>(scale), op, out.stride(0), out.stride(1), scores);
     }
   });
