@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import threading
 import time
 
@@ -15,18 +14,13 @@ import openai
 import pytest
 import uvicorn
 
+from kvshare.loopback import free_port
 from kvshare.serve import LLM, LLMEngine, SamplingParams
 from kvshare.serve.server import create_app
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvshare.loopback import free_port
 from kvshare.paths import data_dir
 from kvshare.train import trainer as trainer_module
 from kvshare.train.recipe import load_recipe
@@ -133,19 +133,14 @@ def test_bad_convention_keys_are_one_line_errors(tmp_path, tiny_models, toy_data
         assert_one_line_error(cli("train", path), fragment)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_loopback_train_in_sync(tmp_path, tiny_models, toy_data):
-    """The multi-node template, as two machines (ranks 0 and 1) rendezvousing over c10d."""
+    """The multi-node template, as two machines (ranks 0 and 1) meeting at rank 0's store on loopback."""
     path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "icarus", max_steps=4, batch_size=2)
     config = ROOT / "recipes" / "accelerate" / "cpu-multi-node.yaml"
     accelerate = Path(sys.executable).with_name("accelerate")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = str(_free_port())
+    # gloo on the loopback device, not on whatever address the hostname resolves to
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    port = str(free_port())
     # output to files, not pipes: reading one node's pipes while the other's fill up would
     # block that node in a write, and its peer in the next collective (a hang seen in CI)
     logs = [open(tmp_path / f"node{rank}.log", "w") for rank in (0, 1)]
@@ -157,6 +152,9 @@ def test_two_nodes_on_loopback_train_in_sync(tmp_path, tiny_models, toy_data):
     try:
         for node in nodes:
             node.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the two nodes did not finish in 300 s; their logs:\n" + "\n".join(
+            f"--- node {rank}\n" + (tmp_path / f"node{rank}.log").read_text()[-3000:] for rank in (0, 1)))
     finally:
         for node, log in zip(nodes, logs):
             if node.poll() is None:

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from ...errors import KvshareError
+from ...loopback import free_port  # noqa: F401  (re-exported: the workflow bench binds its server there)
 from ...paths import kvshare_home
 
 VLLM_VERSION = "0.32.0"
@@ -34,13 +34,6 @@ TORCH_VERSION = "2.13.0"
 TORCH_WHEELS = Path("/opt/wheels")  # the CPU wheel of torch on the reference machines
 DROPPED = ("torchvision", "torchaudio", "torchcodec")
 COMPLETE = "kvshare-peer-complete"  # written last into a venv the benchmark made
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (the peer binds it a moment later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def default_vllm_venv() -> Path:
