@@ -3,8 +3,7 @@
 The port comes from below the kernel's ephemeral range: a port the kernel hands out for outgoing
 connections can be taken by any process's connection (or by the client's own retries, as a TCP
 self-connect) between the probe and the server's bind. Below that range only an explicit bind
-takes it. A clash then fails loudly at bind time instead of leaving a peer talking to the wrong
-socket (the suspected cause of a two-node rendezvous test that waited five minutes in CI).
+takes it.
 """
 
 from __future__ import annotations

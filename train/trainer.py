@@ -34,6 +34,7 @@ from .icarus import enable_icarus_attention, icarus_forward
 from .metrics import truncate_metrics
 from .recipe import Recipe, flatten, recipe_drift
 from .rng import save_rng
+from .teardown import leave_process_group
 
 
 def load_examples(recipe: Recipe) -> list[Example]:
@@ -298,10 +299,8 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=1))
     accel.wait_for_everyone()
     accel.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # the ranks leave the process group together rather than in interpreter teardown, where
-        # a two-process CPU run once hung after its last step (CI, gloo)
-        torch.distributed.destroy_process_group()
+    # together, before the return frees the model (see teardown.py for the deadlock this avoids)
+    leave_process_group(model)
     return summary
 
 
