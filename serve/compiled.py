@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from tqdm import tqdm
 from ..errors import KvshareError
 from ..hardware import cpu_has_fast_bf16
 from ..kernels import build_attention_metadata, cpu
+from ..kernels.cpu import linear as cpu_linear
 from ..kernels.quant import Int4Weight, Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
@@ -60,6 +61,7 @@ INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATE
 # (1.16x a base step; 1.10x from C++, results/engine-cpu-bf16/session18). The base graph gains
 # nothing measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
 GRAPH_OPTIONS = {adapted: {**INDUCTOR_OPTIONS, "cpp_wrapper": adapted} for adapted in (False, True)}
+_PROJECTIONS = ("lm_head", "_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` multiplies by
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
@@ -104,13 +106,24 @@ def _(q, k, v, layer):
     return torch.empty_like(q)
 
 
+class VnniWeight(NamedTuple):
+    """A bfloat16 weight and its copy in the dot-product kernel's order (:mod:`kvshare.kernels.cpu.linear`)."""
+    plain: torch.Tensor
+    packed: torch.Tensor
+
+
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
+    """``F.linear``; for a :class:`VnniWeight`, up to ``cpu_linear.MAX_ROWS`` rows (a decode
+    bucket; the shapes are static) in AVX512-BF16 dot products; for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
     which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
     float32's bytes, dequantised in registers); for an int4 weight (packed, scales and zeros,
     group) its int4 product, which Inductor lowers to its WOQ int4 GEMM template."""
     if not isinstance(weight, tuple):
         return F.linear(x, weight, bias)
+    if isinstance(weight, VnniWeight):
+        if x.numel() // x.shape[-1] <= cpu_linear.MAX_ROWS:
+            return torch.ops.kvshare.linear_vnni(x, weight.packed, bias)
+        return F.linear(x, weight.plain, bias)
     rows = x.reshape(-1, x.shape[-1])
     if len(weight) == 3:
         packed, scales_zeros, group = weight
@@ -133,6 +146,7 @@ class _Decoder(torch.nn.Module):
         self.model = model
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
+        self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
         for name in ("embed", "final_norm", "lm_head"):
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -157,6 +171,8 @@ class _Decoder(torch.nn.Module):
             self.int4_groups[name] = value.group
         else:
             setattr(self, name, param(value))
+            if self.vnni and name.endswith(_PROJECTIONS) and cpu_linear.packable(value):
+                setattr(self, f"{name}_vnni", param(cpu_linear.pack(value)))
 
     def _param(self, name: str):
         """What ``_linear`` takes for weight ``name``: the parameter, an int8 (q, scale) pair or
@@ -165,6 +181,8 @@ class _Decoder(torch.nn.Module):
             return getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
         if name in self.int4_groups:
             return getattr(self, f"{name}_q4"), getattr(self, f"{name}_sz"), self.int4_groups[name]
+        if hasattr(self, f"{name}_vnni"):
+            return VnniWeight(getattr(self, name), getattr(self, f"{name}_vnni"))
         return getattr(self, name)
 
     def _layers(self) -> list[dict]:

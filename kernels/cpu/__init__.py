@@ -37,7 +37,7 @@ from ..metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "linear_vnni.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
 

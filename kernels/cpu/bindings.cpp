@@ -9,6 +9,9 @@ int64_t paged_attention_chunk_rows();
 void paged_attention_set_amx(bool on);
 std::string paged_attention_chunk_path();
 void paged_attention_set_dpbf16(bool on);
+bool linear_vnni_available();
+torch::Tensor linear_vnni_pack(torch::Tensor weight);
+torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,4 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_chunk_path", &paged_attention_chunk_path);
   m.def("paged_attention_set_dpbf16", &paged_attention_set_dpbf16);
   m.def("int4_expand", &int4_expand);
+  m.def("linear_vnni_available", &linear_vnni_available);
+  m.def("linear_vnni_pack", &linear_vnni_pack);
+  m.def("linear_vnni", &linear_vnni, py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
 }

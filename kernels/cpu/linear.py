@@ -1,0 +1,60 @@
+"""bfloat16 projections of decode rows in AVX512-BF16 dot products (:file:`linear_vnni.cpp`),
+as the torch op ``kvshare::linear_vnni`` that the compiled CPU step calls.
+
+Why our own: Inductor's C++ GEMM template has no bfloat16 dot-product micro-kernel; without AMX
+it widens each weight to float32 for FMAs, which is compute-bound at one or two rows. Measured on
+2 AMD EPYC cores, SmolLM2's 30 layers of projections: 4.4 ms at one row and 4.6 ms at two in
+dot products, against 10.6 and 12.7 ms for the template and 9.1 and 9.3 ms for ``F.linear``
+(results/engine-cpu-bf16/session21/). Where the CPU has AMX the template multiplies on tiles,
+so it keeps the projections there (:func:`wanted`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...errors import KvshareError
+from . import extension
+
+CHOICES = ("auto", "vnni", "inductor")
+MAX_ROWS = 16  # decode buckets; a larger bucket (a prompt chunk beside decode rows) keeps the GEMM template
+
+
+def wanted() -> bool:
+    """Whether the compiled step's projections run in dot products: ``KVSHARE_CPU_GEMM`` =
+    ``vnni`` asks for it (an error where the CPU lacks AVX512-BF16), ``inductor`` keeps the GEMM
+    template, ``auto`` (the default) takes dot products on CPUs with AVX512-BF16 and no AMX."""
+    choice = os.environ.get("KVSHARE_CPU_GEMM", "auto")
+    if choice not in CHOICES:
+        raise KvshareError(f"KVSHARE_CPU_GEMM must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "inductor":
+        return False
+    ext = extension()
+    able = ext is not None and ext.linear_vnni_available()
+    if choice == "vnni" and not able:
+        raise KvshareError("KVSHARE_CPU_GEMM=vnni needs a CPU with AVX512-BF16 and the C++ kernels built")
+    return able and (choice == "vnni" or not torch.cpu._is_amx_tile_supported())
+
+
+def packable(weight) -> bool:
+    """A plain bfloat16 weight the kernel takes: 16-output blocks over pairs of input dims."""
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] in the kernel's order, [N/16, K/2, 16, 2] (a copy, made once)."""
+    return extension().linear_vnni_pack(weight)
+
+
+@torch.library.custom_op("kvshare::linear_vnni", mutates_args=())
+def linear_vnni(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``packed = pack(weight)``, rounded to bfloat16 once."""
+    return extension().linear_vnni(x, packed, bias)
+
+
+@linear_vnni.register_fake
+def _(x, packed, bias=None):
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2])

@@ -1,0 +1,76 @@
+"""The AVX512-BF16 projection kernel against its reference, ``F.linear`` in float32 rounded to
+bfloat16 once, and when the compiled step chooses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvshare.errors import KvshareError
+from kvshare.kernels.cpu import linear as cpu_linear
+
+ext = pytest.importorskip("kvshare.kernels.cpu").extension()
+needs_bf16 = pytest.mark.skipif(ext is None or not ext.linear_vnni_available(),
+                                reason="this CPU (or build) has no AVX512-BF16")
+
+
+def _reference(x, w, bias):
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 64), (576, 576), (960, 576), (80, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_equals_the_reference(rows, n, k, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = cpu_linear.linear_vnni(x, cpu_linear.pack(w), bias)
+    want = _reference(x, w, bias)
+    # products of bfloat16 are exact in float32; only the order of the sums and the one final
+    # rounding differ: at most a couple of bfloat16 steps of the largest output
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 ** -6 * float(want.abs().max()) + 1e-3)
+
+
+@needs_bf16
+def test_leading_dims_and_a_strided_input_keep_their_shape():
+    w = torch.randn(32, 64).bfloat16()
+    x = torch.randn(3, 2, 128).bfloat16()[..., ::2]  # not contiguous
+    got = cpu_linear.linear_vnni(x, cpu_linear.pack(w))
+    assert got.shape == (3, 2, 32)
+    torch.testing.assert_close(got.float(), _reference(x, w, None).float(), rtol=0, atol=0.05)
+
+
+@needs_bf16
+def test_a_wrong_weight_is_refused():
+    packed = cpu_linear.pack(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="input size"):
+        cpu_linear.linear_vnni(torch.randn(1, 32).bfloat16(), packed)
+
+
+def test_packable_weights():
+    assert cpu_linear.packable(torch.zeros(32, 64, dtype=torch.bfloat16))
+    assert not cpu_linear.packable(torch.zeros(32, 64))  # float32
+    assert not cpu_linear.packable(torch.zeros(40, 64, dtype=torch.bfloat16))  # outputs not blocks of 16
+    assert not cpu_linear.packable(torch.zeros(32, 63, dtype=torch.bfloat16))  # odd input size
+    assert not cpu_linear.packable((torch.zeros(32, 64, dtype=torch.int8), torch.ones(32)))  # int8 pair
+
+
+def test_when_the_compiled_step_takes_it(monkeypatch):
+    monkeypatch.setenv("KVSHARE_CPU_GEMM", "inductor")
+    assert not cpu_linear.wanted()
+    monkeypatch.setenv("KVSHARE_CPU_GEMM", "fast")
+    with pytest.raises(KvshareError, match="KVSHARE_CPU_GEMM must be"):
+        cpu_linear.wanted()
+    able = ext is not None and ext.linear_vnni_available()
+    monkeypatch.setenv("KVSHARE_CPU_GEMM", "auto")
+    assert cpu_linear.wanted() == (able and not torch.cpu._is_amx_tile_supported())
+    monkeypatch.setenv("KVSHARE_CPU_GEMM", "vnni")
+    if able:
+        assert cpu_linear.wanted()
+    else:
+        with pytest.raises(KvshareError, match="AVX512-BF16"):
+            cpu_linear.wanted()
