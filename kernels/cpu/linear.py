@@ -2,11 +2,12 @@
 as the torch op ``kvshare::linear_vnni`` that the compiled CPU step calls.
 
 Why our own: Inductor's C++ GEMM template has no bfloat16 dot-product micro-kernel; without AMX
-it widens each weight to float32 for FMAs, which is compute-bound at one or two rows. Measured on
-2 AMD EPYC cores, SmolLM2's 30 layers of projections: 4.4 ms at one row and 4.6 ms at two in
-dot products, against 10.6 and 12.7 ms for the template and 9.1 and 9.3 ms for ``F.linear``
-(results/engine-cpu-bf16/session21/). Where the CPU has AMX the template multiplies on tiles,
-so it keeps the projections there (:func:`wanted`).
+it widens each weight to float32 for FMAs, which is compute-bound at a few rows. Measured on
+2 AMD EPYC cores, SmolLM2's 30 layers of projections, template time over dot-product time in one
+run: 1.89x at 1 row, 2.09x at 2, 2.47x at 4, 1.12x at 8, 1.05x at 16; ``F.linear`` was slower
+than both (results/engine-cpu-bf16/session21/projections.txt). Where the CPU has AMX the
+template multiplies on tiles, so it keeps the projections there (:func:`wanted`; not measured
+against this kernel on such a CPU).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 // The weight [N, K] is packed once into VNNI order, [N/16][K/2][16][2]: for 16 outputs, each
 // 64-byte vector holds one pair of input dims, as `vdpbf16ps` takes it. A row's matching pair is
 // broadcast against it. Four rows by four 16-output blocks accumulate in 16 registers; each
-// thread takes a contiguous range of blocks, and more rows reuse those blocks from cache.
+// thread takes a contiguous range of blocks, and every further four rows reuse those four blocks
+// while they are in cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -50,13 +51,20 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block0
   }
 }
 
-template <int R>
-void blocks(const uint16_t* x, int64_t K, const uint16_t* w, int64_t first, int64_t last, const float* bias,
-            uint16_t* y, int64_t N) {
-  int64_t b = first;
-  for (; b + 4 <= last; b += 4) tile<R, 4>(x, K, w, b, bias, y, N);
-  for (; b + 2 <= last; b += 2) tile<R, 2>(x, K, w, b, bias, y, N);
-  for (; b < last; ++b) tile<R, 1>(x, K, w, b, bias, y, N);
+template <int B>
+void rows_of(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t block0, const float* bias,
+             uint16_t* y, int64_t N) {
+  // every row over the same B blocks while they are in cache: each weight byte leaves memory once
+  for (int64_t m = 0; m < M; m += kRowTile) {
+    const uint16_t* xm = x + m * K;
+    uint16_t* ym = y + m * N;
+    switch (std::min<int64_t>(kRowTile, M - m)) {
+      case 1: tile<1, B>(xm, K, w, block0, bias, ym, N); break;
+      case 2: tile<2, B>(xm, K, w, block0, bias, ym, N); break;
+      case 3: tile<3, B>(xm, K, w, block0, bias, ym, N); break;
+      default: tile<4, B>(xm, K, w, block0, bias, ym, N); break;
+    }
+  }
 }
 #endif
 
@@ -97,16 +105,10 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, c10::optional<t
   const int64_t total = packed.size(0);
   const int64_t per_thread = (total + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, total, per_thread, [&](int64_t first, int64_t last) {
-    for (int64_t m = 0; m < M; m += kRowTile) {
-      const uint16_t* xm = xs + m * K;
-      uint16_t* ym = ys + m * N;
-      switch (std::min<int64_t>(kRowTile, M - m)) {
-        case 1: blocks<1>(xm, K, ws, first, last, b32, ym, N); break;
-        case 2: blocks<2>(xm, K, ws, first, last, b32, ym, N); break;
-        case 3: blocks<3>(xm, K, ws, first, last, b32, ym, N); break;
-        default: blocks<4>(xm, K, ws, first, last, b32, ym, N); break;
-      }
-    }
+    int64_t b = first;
+    for (; b + 4 <= last; b += 4) rows_of<4>(xs, M, K, ws, b, b32, ys, N);
+    for (; b + 2 <= last; b += 2) rows_of<2>(xs, M, K, ws, b, b32, ys, N);
+    for (; b < last; ++b) rows_of<1>(xs, M, K, ws, b, b32, ys, N);
   });
   return y;
 #else
