@@ -114,8 +114,8 @@ class VnniWeight(NamedTuple):
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for a :class:`VnniWeight`, up to ``cpu_linear.MAX_ROWS`` rows (a decode
-    bucket; the shapes are static) in AVX512-BF16 dot products; for an int8 weight (a (q, scale) pair) PyTorch's weight-only int8 product,
-    which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
+    bucket; the shapes are static) in AVX512-BF16 dot products; for an int8 weight (a (q, scale)
+    pair) PyTorch's weight-only int8 product, which Inductor lowers to its C++ int8 GEMM template (the weight read as int8, a quarter of
     float32's bytes, dequantised in registers); for an int4 weight (packed, scales and zeros,
     group) its int4 product, which Inductor lowers to its WOQ int4 GEMM template."""
     if not isinstance(weight, tuple):
@@ -141,9 +141,12 @@ class _Decoder(torch.nn.Module):
     (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales;
     an int4 one (:class:`~kvshare.kernels.quant.Int4Weight`) its packed groups and their scales and zeros."""
 
-    def __init__(self, model: Model, adapted: bool):
+    def __init__(self, model: Model, adapted: bool, packed: dict[str, torch.Tensor]):
+        """``packed``: weights already in the dot-product kernel's order, by name, shared by the
+        graphs with and without adapters (filled by whichever is made first)."""
         super().__init__()
         self.model = model
+        self.packed = packed
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
@@ -172,11 +175,13 @@ class _Decoder(torch.nn.Module):
         else:
             setattr(self, name, param(value))
             if self.vnni and name.endswith(_PROJECTIONS) and cpu_linear.packable(value):
-                setattr(self, f"{name}_vnni", param(cpu_linear.pack(value)))
+                if name not in self.packed:
+                    self.packed[name] = cpu_linear.pack(value)
+                setattr(self, f"{name}_vnni", param(self.packed[name]))
 
     def _param(self, name: str):
-        """What ``_linear`` takes for weight ``name``: the parameter, an int8 (q, scale) pair or
-        an int4 (packed, scales and zeros, group) triple."""
+        """What ``_linear`` takes for weight ``name``: the parameter, a :class:`VnniWeight`, an
+        int8 (q, scale) pair or an int4 (packed, scales and zeros, group) triple."""
         if hasattr(self, f"{name}_q"):
             return getattr(self, f"{name}_q"), getattr(self, f"{name}_scale")
         if name in self.int4_groups:
@@ -263,8 +268,9 @@ class CompiledStep:
             torch._dynamo.config.accumulated_recompile_limit, 4096)
         self.model = model
         self.buckets = tuple(b for b in BUCKETS if b <= max_rows) or (1,)
+        packed: dict[str, torch.Tensor] = {}
         self._graphs: dict[bool, Callable] = {
-            adapted: torch.compile(_Decoder(model, adapted).eval(), fullgraph=True, dynamic=False,
+            adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
                                    options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
