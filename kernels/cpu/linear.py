@@ -1,5 +1,5 @@
 """bfloat16 projections of decode rows in AVX512-BF16 dot products (:file:`linear_vnni.cpp`),
-as the torch op ``kvshare::linear_vnni`` that the compiled CPU step calls.
+as the torch op ``kvshare::linear_vnni`` (defined in C++) that the compiled CPU step calls.
 
 Why our own: Inductor's C++ GEMM template has no bfloat16 dot-product micro-kernel; without AMX
 it widens each weight to float32 for FMAs, which is compute-bound at a few rows. Measured on
@@ -36,7 +36,10 @@ def wanted() -> bool:
     able = ext is not None and ext.linear_vnni_available()
     if choice == "vnni" and not able:
         raise KvshareError("KVSHARE_CPU_GEMM=vnni needs a CPU with AVX512-BF16 and the C++ kernels built")
-    return able and (choice == "vnni" or not torch.cpu._is_amx_tile_supported())
+    if able and (choice == "vnni" or not torch.cpu._is_amx_tile_supported()):
+        register()  # before a graph that calls the op is traced or loaded from the cache
+        return True
+    return False
 
 
 def packable(weight) -> bool:
@@ -50,12 +53,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return extension().linear_vnni_pack(weight)
 
 
-@torch.library.custom_op("kvshare::linear_vnni", mutates_args=())
 def linear_vnni(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``packed = pack(weight)``, rounded to bfloat16 once."""
-    return extension().linear_vnni(x, packed, bias)
+    register()
+    return torch.ops.kvshare.linear_vnni(x, packed, bias)
 
 
-@linear_vnni.register_fake
-def _(x, packed, bias=None):
-    return x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2])
+_registered: list[bool] = []
+
+
+def register() -> None:
+    """Load the extension, which defines the op ``kvshare::linear_vnni`` in C++, and give the op
+    its fake (shape) function for tracing, once per process."""
+    if _registered:
+        return
+    if extension() is None:
+        raise KvshareError("the C++ CPU kernels could not be built here")
+    torch.library.register_fake("kvshare::linear_vnni")(
+        lambda x, packed, bias=None: x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+    _registered.append(True)
