@@ -7,7 +7,10 @@ final gather's tensors) waits for the GIL to drop their Python objects: both wai
 about one two-node run in ten on loopback (py-spy: main thread in ``Reducer`` dealloc ->
 ``ProcessGroupGloo::~ProcessGroupGloo`` -> ``thread::join``; worker in ``~AsyncAllgatherWork`` ->
 ``gil_scoped_acquire``). torch's own ProcessGroup binding releases the GIL before freeing, so the
-fix is order: drop the reducer first, while Python references still keep the group alive.
+fix is order: free the reducer first, while a Python reference (the DDP module's
+``process_group``, and ours) still keeps the group alive. accelerate's ``end_training()`` has
+usually destroyed the default group already by then, which does not free it: the reducer and
+that attribute still hold it.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import torch
 
 
 def leave_process_group(model: torch.nn.Module) -> None:
-    """Destroy the default process group, freeing ``model``'s DDP reducer before the group dies."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    group = torch.distributed.group.WORLD  # a Python reference: its release lets go of the GIL
-    torch.distributed.destroy_process_group()
+    """Free ``model``'s DDP reducer while the group is still held from Python, then destroy the
+    default process group if it is still up. Anything but a DDP model passes through."""
+    group = getattr(model, "process_group", None)  # a Python reference: its release lets go of the GIL
     for name in ("logger", "reducer"):  # the reducer's holders in DistributedDataParallel
         if hasattr(model, name):
             delattr(model, name)
     gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     del group
