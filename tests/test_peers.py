@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from kvshare.errors import KvshareError
+from kvshare.loopback import free_port
 from kvshare.eval.perf import peers
 from kvshare.eval.perf.peers import (LLAMACPP_PROBE, PROBE, VLLMServer, ensure_llamacpp_venv, ensure_vllm_venv,
-                                    free_port, llamacpp_engine_probe_command, llamacpp_gguf,
+                                    llamacpp_engine_probe_command, llamacpp_gguf,
                                     run_llamacpp_engine_probe, run_vllm_engine_probe, vllm_engine_probe_command,
                                     vllm_serve_command)
 

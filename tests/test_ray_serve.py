@@ -21,12 +21,12 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from transformers import AutoTokenizer
 
+from kvshare.loopback import free_port
 from kvshare.random_adapters import random_adapter
 from kvshare.serve.config import EngineConfig
 from kvshare.serve.ray import EngineSpec, RayServeOptions, running_replicas, start, wait_healthy, workflow_id_of
 from kvshare.serve.workflow import Agent, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from conftest import assert_one_line_error
-from test_server import free_port
 
 WORKFLOWS, AGENTS, ROUNDS = 6, 3, 3  # each agent takes 3 turns (round-robin): 9 calls per workflow
 TURNS = AGENTS * ROUNDS

@@ -13,8 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvshare.loopback import free_port
+
 from test_engine import adapters, base, invocation, tokenizer  # noqa: F401
-from test_server import free_port
 
 KEY = "load-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -26,7 +26,6 @@ import urllib.request
 from pathlib import Path
 
 from ...errors import KvshareError
-from ...loopback import free_port  # noqa: F401  (re-exported: the workflow bench binds its server there)
 from ...paths import kvshare_home
 
 VLLM_VERSION = "0.32.0"

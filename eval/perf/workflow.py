@@ -44,7 +44,8 @@ from ...serve.graph_cache import release_compiled_graphs
 from ...serve.openmp import release_openmp_workers
 from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from .common import percentile, setup, write_report as _write
-from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, free_port, kv_space_gib, vllm_serve_command
+from ...loopback import free_port
+from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, kv_space_gib, vllm_serve_command
 
 PEER_MODES = ("vllm-lora", "vllm-base")
 RANDOM_RANK = 8  # of the random adapters (ForkKV's residual width)

@@ -5,13 +5,14 @@ Why our own: Inductor's C++ GEMM template has no bfloat16 dot-product micro-kern
 it widens each weight to float32 for FMAs, which is compute-bound at a few rows. Measured on
 2 AMD EPYC cores, SmolLM2's 30 layers of projections, template time over dot-product time in one
 run: 1.89x at 1 row, 2.09x at 2, 2.47x at 4, 1.12x at 8, 1.05x at 16; ``F.linear`` was slower
-than both (results/engine-cpu-bf16/session21/projections.txt). Where the CPU has AMX the
+than the kernel at every size (results/engine-cpu-bf16/session21/projections.txt). Where the CPU has AMX the
 template multiplies on tiles, so it keeps the projections there (:func:`wanted`; not measured
 against this kernel on such a CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -59,16 +60,11 @@ def linear_vnni(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.kvshare.linear_vnni(x, packed, bias)
 
 
-_registered: list[bool] = []
-
-
+@functools.cache
 def register() -> None:
     """Load the extension, which defines the op ``kvshare::linear_vnni`` in C++, and give the op
     its fake (shape) function for tracing, once per process."""
-    if _registered:
-        return
     if extension() is None:
         raise KvshareError("the C++ CPU kernels could not be built here")
     torch.library.register_fake("kvshare::linear_vnni")(
         lambda x, packed, bias=None: x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2]))
-    _registered.append(True)

@@ -1,8 +1,8 @@
 // bfloat16 projections of a few rows (decode steps) in AVX512-BF16 dot products.
 //
 // Why: on CPUs with AVX512-BF16 and no AMX, Inductor's C++ GEMM template multiplies bfloat16 by
-// widening every weight to float32 and using FMAs: compute-bound at one or two rows, so an
-// ICaRus pair step (two rows) paid about 12% more than a base step for its projections alone.
+// widening every weight to float32 and using FMAs: compute-bound at one or two rows, so the
+// compiled graph for two rows (an ICaRus pair) took about 13% longer than for one.
 // `vdpbf16ps` multiplies two bfloat16 pairs per lane straight from the weight bytes, so the
 // weight stream, not the arithmetic, sets the pace: a few rows cost about what one row does.
 //

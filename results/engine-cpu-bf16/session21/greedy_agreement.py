@@ -4,7 +4,7 @@ eager one (``F.linear``).
 
 ``python results/engine-cpu-bf16/session21/greedy_agreement.py [TOKENS]``
 
-Prompts are the first lines of ``../shared/data`` text if present, else fixed sentences. Prints,
+The prompts are eight fixed sentences (``PROMPTS``). Prints,
 per variant, the share of generated tokens equal to the float32 engine's up to the first
 difference (the usual greedy-agreement figure), and the tokens identical between the two variants.
 """
