@@ -70,7 +70,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,
                                device=args.device, kernels=args.kernels, peer=args.peer,
                                peer_venv=args.peer_venv, compile=args.compile,
-                               hf_dtype=args.hf_dtype)
+                               hf_dtype=args.hf_dtype, rounds=args.rounds)
     print(markdown(results))
     return 0
 
@@ -243,6 +243,9 @@ def register(sub) -> None:
                    help="transformers' dtype (default float32, as users run it by default)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="the engine's compiled CPU step (default auto: on for CPU float32; compiled before timing)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every engine this many times in turn and report medians, with each round's "
+                   "ratios (default 1; a shared VM's speed drifts over minutes, so compare with 3 or more)")
     _peer_arguments(p, "decode and prefill rows, same prompt tokens and threads; vLLM at --dtype", llamacpp=True)
     p.set_defaults(func=_cmd_bench_engine)
 

@@ -405,3 +405,34 @@ def test_llama_cpp_is_an_extra_pinned_to_the_peer_version_and_not_built_in_ci():
         "optional-dependencies"]
     assert extras["llamacpp"] == [f"llama-cpp-python=={peers.LLAMACPP_VERSION}"]
     assert not [req for req in extras["test"] if req.startswith("llama-cpp-python")]  # CI would compile it
+
+
+def test_engine_bench_rounds_report_each_figures_median_and_every_rounds_ratios(tmp_path, tiny_models, monkeypatch):
+    """--rounds 3: every engine measured three times in turn; the table holds the medians and,
+    below it, each round's ratios (the peer's figures differ per round here, so the median shows)."""
+    from kvshare.eval.perf import engine
+
+    peer_b1 = iter([1000.0, 3000.0, 2000.0])
+
+    def probe(venv, gguf, prompts, new_tokens, threads, workdir):
+        return {"engine": "llama.cpp", "version": "0.3.36", "weights": "Q4_1", "decode_b1": next(peer_b1)}
+
+    monkeypatch.setattr(engine, "llamacpp_gguf", lambda model_dir: tmp_path / "weights.gguf")
+    monkeypatch.setattr(engine, "run_llamacpp_engine_probe", probe)
+    venv = _llamacpp_venv(tmp_path, FAKE_LLAMACPP_PROBE)
+    results = engine.run_engine_bench(model=str(tiny_models("llama")), new_tokens=4, quick=True, threads=1,
+                                      kernels="torch", peer="llamacpp", peer_venv=venv, rounds=3)
+    rounds = results["rounds"]
+    assert [r["decode_b1"]["llamacpp"] for r in rounds] == [1000.0, 3000.0, 2000.0]
+    assert results["decode_b1"]["llamacpp"] == 2000.0
+    for key in ("decode_b1", "decode_b16", "prefill_128"):
+        ours = sorted(r[key]["kvshare"] for r in rounds)
+        assert results[key]["kvshare"] == ours[1] and results[key]["hf"] == sorted(r[key]["hf"] for r in rounds)[1]
+    assert results["icarus_step_ratio"]["ratio"] == sorted(r["icarus_step_ratio"]["ratio"] for r in rounds)[1]
+    assert results.get("compile_s") == rounds[0].get("compile_s") and results["peer"]["engine"] == "llama.cpp"
+    table = engine.markdown(results)
+    assert "kvshare (float32, torch kernels)" in table.splitlines()[0]
+    per_round = ", ".join(f"{r['decode_b1']['kvshare'] / r['decode_b1']['llamacpp']:.2f}x" for r in rounds)
+    assert "medians of 3 rounds" in table and f"| decode tok/s, batch 1 | " in table and per_round in table
+    with pytest.raises(KvshareError, match="at least 1"):
+        engine.run_engine_bench(model=str(tiny_models("llama")), rounds=0)

@@ -15,6 +15,7 @@ the zoo's Q4_1 GGUF of the same model on the same prompt token ids and threads.
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +101,21 @@ def _merge(results: dict, figures: dict, backend: str, first: bool) -> None:
             results[key][f"kvshare[{backend}]"] = mine
 
 
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (a ratio's too: the median of each round's ratio of
+    paired times). Compile times come from the first round: later ones load the graphs from disk."""
+    def median(values: list):
+        if isinstance(values[0], dict):
+            return {key: median([v[key] for v in values if key in v]) for key in values[0]}
+        if isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
+            return statistics.median(values)
+        return values[0]
+
+    merged = median(rounds)
+    merged.update({key: value for key, value in rounds[0].items() if key.startswith("compile_s")})
+    return merged
+
+
 def _kv_bytes_for_agents(llm: LLM, adapters: list[str], context: list[int], new: int) -> int:
     """Peak KV bytes (blocks in use or cached) while N agents answer over one context at once."""
     engine = llm.engine
@@ -117,7 +133,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                      new_tokens: int = 64, out_dir: str | Path | None = None, quick: bool = False,
                      device: str = "cpu", kernels: str | list[str] = "auto", peer: str | None = None,
                      peer_venv: str | Path | None = None, compile: str = "auto",
-                     hf_dtype: str = "float32") -> dict:
+                     hf_dtype: str = "float32", rounds: int = 1) -> dict:
     """``kernels`` may name several backends: each gets its own engine and its own figures,
     measured in the same run beside the same transformers model (at ``hf_dtype``; default
     float32, transformers as users run it by default). ``peer="vllm"`` adds vLLM's CPU build
@@ -125,7 +141,10 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     ``$KVSHARE_HOME/peers``) at ``dtype``; ``peer="llamacpp"`` adds llama.cpp on the zoo's Q4_1
     GGUF (its venv: ``peer_venv``, or built under ``$KVSHARE_HOME/peers``). ``compile`` is the
     engine's compiled CPU step (:mod:`kvshare.serve.compiled`); its buckets are compiled
-    before anything is timed and the compile time is reported."""
+    before anything is timed and the compile time is reported. ``rounds`` > 1 measures every
+    engine (each backend, transformers, the peer) that many times in turn and reports each
+    figure's median, with every round's figures under ``"rounds"``: a shared VM's speed drifts
+    by 10-25% over minutes, so figures taken minutes apart compare badly, and rounds pair them."""
     from transformers import AutoModelForCausalLM
 
     backends = [kernels] if isinstance(kernels, str) else list(kernels)
@@ -137,6 +156,8 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
         raise KvshareError("the vLLM peer is vLLM's CPU build: use it with --device cpu")
     if peer == "llamacpp" and device != "cpu":
         raise KvshareError("the llama.cpp peer is a CPU build: use it with --device cpu")
+    if rounds < 1:
+        raise KvshareError(f"--rounds must be at least 1, not {rounds}")
     if hf_dtype not in ("float32", "bfloat16"):
         raise KvshareError(f"hf dtype must be float32 or bfloat16, not {hf_dtype!r}")
     ensure_venv = ensure_llamacpp_venv if peer == "llamacpp" else ensure_vllm_venv
@@ -149,35 +170,45 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                      "new_tokens": new_tokens, "device": device, "kernels": backends[0], "backends": backends}
     if device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    steps = tqdm(total=len(backends) * 5 + 1 + (1 if venv else 0), desc="bench engine", unit="figure")
+    per_round = len(backends) * 5 + (1 if venv else 0)
+    steps = tqdm(total=rounds * per_round + 1, desc="bench engine", unit="figure")
     tokenizer = load_tokenizer(model_dir)
     short, batch, prefill_prompts = _bench_prompts(tokenizer, lengths)
+    measured: list[dict] = []
     try:  # the bar closes (its line ends) before an error is printed
-        for i, backend in enumerate(backends):
-            first = i == 0
-            llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
-                      max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=backend,
-                      compile=compile)
-            figures = _engine_figures(llm, hf if first else None, short, batch, prefill_prompts,
-                                      new_tokens, model_dir, steps)
-            _merge(results, figures, backend, first)
-            if first:  # what does not depend on the backend is measured once, beside the first engine
-                results["compiled"] = llm.engine.runner.compiled is not None
-                if venv:
-                    prompts = {"decode_b1": [short], "decode_b16": batch,
-                               "prefill": {str(n): p for n, p in prefill_prompts.items()}}
-                    if gguf:
-                        _add_llamacpp_figures(results, venv, gguf, threads, new_tokens, prompts, out_dir)
-                    else:
-                        _add_vllm_figures(results, venv, model_dir, llm, dtype, threads, new_tokens, prompts,
-                                          out_dir)
-                    steps.update()
-                results["kv_bytes"] = _kv_bytes(llm, model_dir, _prompt(tokenizer, 128 if quick else 1024))
-                steps.update()
-            del llm  # one engine's memory at a time, its compiled graphs too
-            release_compiled_graphs()
+        for round_index in range(rounds):
+            figures_of_round: dict = {}
+            for i, backend in enumerate(backends):
+                first = i == 0
+                llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
+                          max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=backend,
+                          compile=compile)
+                figures = _engine_figures(llm, hf if first else None, short, batch, prefill_prompts,
+                                          new_tokens, model_dir, steps)
+                _merge(figures_of_round, figures, backend, first)
+                if first:  # what does not depend on the backend is measured beside the first engine
+                    results["compiled"] = llm.engine.runner.compiled is not None
+                    if venv:
+                        prompts = {"decode_b1": [short], "decode_b16": batch,
+                                   "prefill": {str(n): p for n, p in prefill_prompts.items()}}
+                        if gguf:
+                            _add_llamacpp_figures(figures_of_round, venv, gguf, threads, new_tokens, prompts, out_dir)
+                        else:
+                            _add_vllm_figures(figures_of_round, venv, model_dir, llm, dtype, threads, new_tokens,
+                                              prompts, out_dir)
+                        results["peer"] = figures_of_round.pop("peer")
+                        steps.update()
+                    if round_index == 0:  # bytes, not times: once
+                        results["kv_bytes"] = _kv_bytes(llm, model_dir, _prompt(tokenizer, 128 if quick else 1024))
+                        steps.update()
+                del llm  # one engine's memory at a time, its compiled graphs too
+                release_compiled_graphs()
+            measured.append(figures_of_round)
     finally:
         steps.close()
+    results.update(_median_of_rounds(measured))
+    if rounds > 1:
+        results["rounds"] = measured
     if out_dir:
         write_report(results, Path(out_dir))
     return results
@@ -316,7 +347,8 @@ def markdown(results: dict) -> str:
     extra = [f"kvshare[{b}]" for b in backends[1:]]
     engine = results["dtype"] + (", compiled step" if results.get("compiled") else "")
     where = f", {results['gpu']}" if results.get("gpu") else ""
-    first = f"kvshare ({engine}, {backends[0]} kernels{where})" if extra or where else f"kvshare ({engine})"
+    named = extra or where or backends[0] != "auto"  # a chosen backend (e.g. int4 weights) is part of the precision
+    first = f"kvshare ({engine}, {backends[0]} kernels{where})" if named else f"kvshare ({engine})"
     head = (f"| figure | {first} | HF transformers ({results.get('hf_dtype', 'float32')}) | kvshare/HF |"
             + "".join(f" {col} | {b}/HF |" for b, col in zip(backends[1:], extra)))
     column = peer.get("key", "vllm") if peer else None  # reports from before llama.cpp have no key
@@ -326,8 +358,7 @@ def markdown(results: dict) -> str:
     lines = [head, "|---" * width + "|"]
     pad = " - | - |" * len(extra)
     blank = " - | - |" if peer else ""
-    for key, label in [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
-            (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in results if k.startswith("prefill_")]:
+    for key, label in _figure_rows(results):
         r = results[key]
         line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |"
         line += "".join(f" {r[col]:.1f} | {r[col] / r['hf']:.2f}x |" for col in extra)
@@ -349,7 +380,34 @@ def markdown(results: dict) -> str:
                          f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + pad + blank)
     if peer and peer.get("precision"):  # a peer at another precision says which
         lines.append(f"\n{peer['engine']}: {peer['precision']}; {peer['threads']} threads.")
+    if results.get("rounds"):
+        lines += _rounds_markdown(results["rounds"], column)
     return "\n".join(lines) + "\n"
+
+
+def _figure_rows(figures: dict) -> list[tuple[str, str]]:
+    """The timed rows' keys and labels, in the table's order."""
+    return [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
+        (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in figures if k.startswith("prefill_")]
+
+
+def _rounds_markdown(rounds: list[dict], peer_column: str | None) -> list[str]:
+    """Each round's kvshare/HF (and kvshare/peer) ratios: how far the medians above can be trusted."""
+    lines = ["", f"Figures above: medians of {len(rounds)} rounds, each measuring every engine in turn. "
+             "Each round's ratios:", ""]
+    head = "| figure | kvshare/HF per round |" + (f" kvshare/{PEER_COLUMNS[peer_column]} per round |"
+                                                   if peer_column else "")
+    lines += [head, "|---" * (3 if peer_column else 2) + "|"]
+    for key, label in _figure_rows(rounds[0]):
+        row = [r[key] for r in rounds if key in r]
+        cells = [", ".join(f"{r['kvshare'] / r['hf']:.2f}x" for r in row)]
+        if peer_column:
+            cells.append(", ".join(f"{r['kvshare'] / r[peer_column]:.2f}x" if r.get(peer_column) else "-"
+                                   for r in row))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    pair = ", ".join(f"{r['icarus_step_ratio']['ratio']:.2f}x" for r in rounds)
+    lines.append(f"\nICaRus paired step / base step per round: {pair}.")
+    return lines
 
 
 def write_report(results: dict, out_dir: Path) -> None:
