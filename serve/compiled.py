@@ -61,7 +61,7 @@ INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATE
 # (1.16x a base step; 1.10x from C++, results/engine-cpu-bf16/session18). The base graph gains
 # nothing measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
 GRAPH_OPTIONS = {adapted: {**INDUCTOR_OPTIONS, "cpp_wrapper": adapted} for adapted in (False, True)}
-_PROJECTIONS = ("lm_head", "_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` multiplies by
+_PROJECTIONS = ("_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` multiplies by
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
@@ -137,7 +137,8 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
 
 class _Decoder(torch.nn.Module):
     """The model's weights as parameters of one module (so Inductor freezes and packs them) and
-    its forward over padded rows: embedding, every layer, final norm, head. An int8 weight
+    its forward over padded rows: embedding, every layer, final norm (the head runs after the
+    graph, on the logit rows: :meth:`CompiledStep._head`). An int8 weight
     (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales;
     an int4 one (:class:`~kvshare.kernels.quant.Int4Weight`) its packed groups and their scales and zeros."""
 
@@ -150,7 +151,7 @@ class _Decoder(torch.nn.Module):
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
-        for name in ("embed", "final_norm", "lm_head"):
+        for name in ("embed", "final_norm"):  # the head runs after the graph, on the logit rows only
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
         for i, layer in enumerate(model.layers):
@@ -200,7 +201,7 @@ class _Decoder(torch.nn.Module):
         cos, sin = m.rope(h, positions)
         attend = lambda i, q, k, v, x: torch.ops.kvshare.step_attention(q, k, v, i)  # noqa: E731
         h = m.decoder(h, cos, sin, self._layers(), _linear, attend, adapt)
-        return _linear(_rms_norm(h, self.final_norm, m.eps), self._param("lm_head")).float()
+        return _rms_norm(h, self.final_norm, m.eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *lora: torch.Tensor) -> torch.Tensor:
         """``lora`` (the graph with adapters): each row's slot and scale, then the slot stacks
@@ -272,6 +273,8 @@ class CompiledStep:
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
                                    options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
+        head = model.lm_head  # in dot products for a decode step's rows where the projections are
+        self._head_packed = cpu_linear.pack(head) if cpu_linear.wanted() and cpu_linear.packable(head) else None
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self.lora = LoraSlots(model, max_loras, max_lora_rank)
@@ -330,9 +333,17 @@ class CompiledStep:
         lora = ()
         if batch.lora_groups:
             lora = (*self.lora.row_inputs(batch.lora_groups, size, tokens.device), *self.lora.inputs())
-        logits = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows))
+        hidden = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows))
         self.steps += 1
-        return logits.index_select(0, batch.logit_rows)
+        return self._head(hidden.index_select(0, batch.logit_rows))
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the logit rows' final hidden states. Outside the graph, so that only
+        the rows sampled from are scored: a bucket's pad rows, prompt-chunk rows and ICaRus base
+        rows would otherwise each multiply by the head, the largest weight of a small model."""
+        if self._head_packed is not None and len(hidden) <= cpu_linear.MAX_ROWS:
+            return torch.ops.kvshare.linear_vnni(hidden, self._head_packed, None).float()
+        return self.model.kernels.linear.apply(hidden, self.model.lm_head).float()
 
     @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
     def _run(self, size: int, tokens: torch.Tensor, positions: torch.Tensor, lora: tuple[torch.Tensor, ...],

@@ -133,14 +133,19 @@ def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, 
 def test_larger_buckets_take_a_prompt_chunk_with_the_decode_rows(base, adapters, engines, tokenizer):
     """With ``compile_max_rows=64`` the step is one compiled forward. 4 decode rows and a
     56-row chunk fill 60 of bucket 64; a 40-row chunk (44 rows) is cut back to bucket 32 (12
-    rows wait a step rather than 20 pad rows run). The same tokens as the eager engine."""
+    rows wait a step rather than 20 pad rows run). The same tokens as the eager engine. The
+    head scores only the rows sampled from (at most the step's four sequences), not the bucket."""
     _, eager = engines
     wide = LLM(base, list(adapters.values()), compile="on", compile_max_rows=64, **SETTINGS)
-    assert wide.engine.runner.compiled.buckets == (1, 2, 4, 8, 16, 32, 64)
+    step = wide.engine.runner.compiled
+    assert step.buckets == (1, 2, 4, 8, 16, 32, 64)
+    head_rows, score = [], step._head
+    step._head = lambda hidden: (head_rows.append(len(hidden)), score(hidden))[1]
     for chunk, want_rows in ((56, [60]), (40, [32])):
         rows, in_step, _, tokens = _chunk_beside_decoding(wide, tokenizer, chunk)
         assert rows == want_rows and in_step == 1  # the whole step through the graph
         assert tokens == _chunk_beside_decoding(eager, tokenizer, chunk)[3]
+    assert head_rows and max(head_rows) <= 4
     assert _chunk_beside_decoding(eager, tokenizer)[0] == [44]  # eager steps: no buckets, no cut
     with pytest.raises(KvshareError, match="compile_max_rows must be one of"):
         LLM(base, compile="on", compile_max_rows=48, **SETTINGS)
@@ -333,7 +338,8 @@ def test_bfloat16_projections_in_dot_products_score_as_the_eager_step(base, adap
     place; a wrong or misplaced weight is off by the logits' whole size)."""
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "vnni")
     llm = LLM(base, [adapters["lora-a"], adapters["icarus-a"]], compile="on", dtype="bfloat16", **SETTINGS)
-    decoders = [graph._orig_mod for graph in llm.engine.runner.compiled._graphs.values()]
-    assert all(d.vnni and hasattr(d, "l0_qkv_vnni") and hasattr(d, "lm_head_vnni") for d in decoders)
+    step = llm.engine.runner.compiled
+    decoders = [graph._orig_mod for graph in step._graphs.values()]
+    assert all(d.vnni and hasattr(d, "l0_qkv_vnni") for d in decoders) and step._head_packed is not None
     assert decoders[0].l0_qkv_vnni.data_ptr() == decoders[1].l0_qkv_vnni.data_ptr()  # packed once for both graphs
     _assert_steps_score_as_eager(llm, tokenizer, monkeypatch)
