@@ -28,8 +28,6 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from .q8 import Q8Weight, prepare_tied_head, q8_linear
-
 QMAX = 127  # symmetric: -127..127 (-128 unused, so q and -q are both representable)
 
 # From this many rows on (a prompt chunk) a product expands the weight and takes the dense
@@ -109,9 +107,8 @@ class Int8WeightOnlyLinear:
 
 
 def weight_bytes(prepared) -> int:
-    """Bytes a prepared weight holds (an :class:`Int8Weight`, :class:`Int4Weight`, :class:`Q8Weight`
-    or a plain tensor)."""
-    if isinstance(prepared, (Int8Weight, Int4Weight, Q8Weight)):
+    """Bytes a prepared weight holds (an :class:`Int8Weight`, an :class:`Int4Weight` or a plain tensor)."""
+    if isinstance(prepared, (Int8Weight, Int4Weight)):
         return prepared.nbytes
     return prepared.numel() * prepared.element_size()
 
@@ -209,13 +206,11 @@ def _int4_block_n() -> int | None:
 class Int4WeightOnlyLinear:
     """Weight-only int4 linear (Q4_1's precision: groups of 32 with a scale and a minimum) on
     PyTorch's CPU int4 kernel, for the weights it takes (:func:`int4_fits`); others stay float.
-    A tied lm_head is not int4: an int4 copy was measured 1.2x faster at batch 1
-    (results/engine-cpu-int4/), but below the precision of llama.cpp's Q8_0 head, and the head
-    scores every token. It gets an int8 copy in groups of 32, Q8_0's precision, where that
-    kernel runs (:mod:`.q8`), else stays the float embedding table (``quantized``)."""
+    As with int8, a tied lm_head stays the float embedding table (``quantized``): an int4 copy
+    was measured 1.2x faster at batch 1 (results/engine-cpu-int4/), but below the precision of
+    llama.cpp's Q8_0 head, and the head scores every token."""
 
     quantized = True
-    prepare_tied_head = staticmethod(prepare_tied_head)
 
     @staticmethod
     def prepare(weight: torch.Tensor):
@@ -223,8 +218,6 @@ class Int4WeightOnlyLinear:
 
     @staticmethod
     def apply(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, Q8Weight):
-            return q8_linear(x, weight, bias)
         if not isinstance(weight, Int4Weight):
             return F.linear(x, weight, bias)
         return int4_linear(x, weight, bias)

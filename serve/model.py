@@ -61,13 +61,9 @@ class Model:
         prepare = kernels.linear.prepare  # e.g. packed once for oneDNN
         tied = c.tie_word_embeddings or "lm_head.weight" not in w
         lm_head = self.embed if tied else w["lm_head.weight"]
-        # a quantising backend leaves a tied head in float (the embedding stays float for the
-        # lookup, so an int8 copy would add memory rather than save it), or gives it its own
-        # head copy (int4: int8 groups, kvshare.kernels.q8)
-        if tied and getattr(kernels.linear, "quantized", False):
-            self.lm_head = getattr(kernels.linear, "prepare_tied_head", lambda weight: weight)(lm_head)
-        else:
-            self.lm_head = prepare(lm_head)
+        # a quantising backend leaves a tied head in float: the embedding stays float for the
+        # lookup, so an int8 copy would add memory rather than save it
+        self.lm_head = lm_head if tied and getattr(kernels.linear, "quantized", False) else prepare(lm_head)
         self.final_norm = w["model.norm.weight"]
         self.rotary = rotary_for(c.model_type, c).to(device)
         # q/k/v and gate/up are fused into one matmul each (one read of x, fewer calls);

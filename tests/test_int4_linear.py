@@ -9,7 +9,6 @@ import torch
 
 from kvshare.kernels import Kernels
 from kvshare.kernels.cpu import extension
-from kvshare.kernels.q8 import Q8Weight
 from kvshare.kernels.quant import EXPAND_ROWS, INT4_GROUP, Int4Weight, _int4_block_n, int4_fits, quantize_int4
 from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.compiled import compile_wanted
@@ -104,7 +103,7 @@ def test_int4_engine_equals_a_float_engine_on_the_dequantised_base(base, adapter
                 r_layer[part] = q_layer[part].dequantize()
                 quantised += 1
     assert quantised >= 4  # the tiny model's shapes fit the kernel for most projections
-    if isinstance(_model(quant).lm_head, (Int4Weight, Q8Weight)):  # a tied head: int8 groups where that kernel runs
+    if isinstance(_model(quant).lm_head, Int4Weight):
         _model(ref).lm_head = _model(quant).lm_head.dequantize()
     for adapter in quant.engine._adapters.slots:
         for a, b, _ in adapter.weights.values():

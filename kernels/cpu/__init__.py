@@ -21,8 +21,7 @@ AMX tiles or AVX512-BF16 dot products (``paged_attention_chunk_path()``: ``"amx"
 The same extension unpacks PyTorch's packed int4 weights for prompt chunks
 (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`) and multiplies
 bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the op
-``kvshare::linear_vnni``; :mod:`.linear`) and by a tied head in int8 groups of 32
-(:file:`linear_q8.cpp`, the op ``kvshare::linear_q8``; :class:`kvshare.kernels.quant.Q8Weight`).
+``kvshare::linear_vnni``; :mod:`.linear`).
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ from ..metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "linear_vnni.cpp", "linear_q8.cpp",
-                                                        "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "linear_vnni.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
 

@@ -11,7 +11,6 @@ std::string paged_attention_chunk_path();
 void paged_attention_set_dpbf16(bool on);
 bool linear_vnni_available();
 torch::Tensor linear_vnni_pack(torch::Tensor weight);
-bool linear_q8_available();
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -24,5 +23,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_expand", &int4_expand);
   m.def("linear_vnni_available", &linear_vnni_available);
   m.def("linear_vnni_pack", &linear_vnni_pack);
-  m.def("linear_q8_available", &linear_q8_available);
 }
