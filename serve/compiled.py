@@ -273,8 +273,8 @@ class CompiledStep:
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
                                    options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
-        head = model.lm_head  # in dot products for a decode step's rows where the projections are
-        self._head_packed = cpu_linear.pack(head) if cpu_linear.wanted() and cpu_linear.packable(head) else None
+        head = model.lm_head  # in dot products for up to 16 rows wherever that kernel runs
+        self._head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self.lora = LoraSlots(model, max_loras, max_lora_rank)

@@ -60,17 +60,20 @@ def test_packable_weights():
 
 
 def test_when_the_compiled_step_takes_it(monkeypatch):
+    """The projections: where the kernel runs and the CPU has no AMX (or asked); the head: wherever it runs."""
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "inductor")
-    assert not cpu_linear.wanted()
+    assert not cpu_linear.wanted() and not cpu_linear.head_wanted()
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "fast")
     with pytest.raises(KvshareError, match="KVSHARE_CPU_GEMM must be"):
         cpu_linear.wanted()
     able = ext is not None and ext.linear_vnni_available()
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "auto")
     assert cpu_linear.wanted() == (able and not torch.cpu._is_amx_tile_supported())
+    assert cpu_linear.head_wanted() == able  # the head after the graph: AMX or not
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "vnni")
     if able:
-        assert cpu_linear.wanted()
+        assert cpu_linear.wanted() and cpu_linear.head_wanted()
     else:
-        with pytest.raises(KvshareError, match="AVX512-BF16"):
-            cpu_linear.wanted()
+        for asked in (cpu_linear.wanted, cpu_linear.head_wanted):
+            with pytest.raises(KvshareError, match="AVX512-BF16"):
+                asked()

@@ -28,19 +28,38 @@ def wanted() -> bool:
     """Whether the compiled step's projections run in dot products: ``KVSHARE_CPU_GEMM`` =
     ``vnni`` asks for it (an error where the CPU lacks AVX512-BF16), ``inductor`` keeps the GEMM
     template, ``auto`` (the default) takes dot products on CPUs with AVX512-BF16 and no AMX."""
+    choice = _choice()
+    if choice == "vnni" or (choice == "auto" and not torch.cpu._is_amx_tile_supported()):
+        register()  # before a graph that calls the op is traced or loaded from the cache
+        return True
+    return False
+
+
+def head_wanted() -> bool:
+    """Whether the head, which the compiled step applies after its graph to the few rows sampled
+    from, runs in dot products: wherever the kernel runs, AMX or not, unless
+    ``KVSHARE_CPU_GEMM=inductor``. Outside a graph the alternative is ``F.linear``: 2.78 against
+    0.61 ms for SmolLM2's head at one row on AMD EPYC (results/engine-cpu-bf16/session22/head.txt;
+    not measured on an AMX CPU, where a row's product still reads the whole weight once)."""
+    if _choice() is None:
+        return False
+    register()
+    return True
+
+
+def _choice() -> str | None:
+    """``KVSHARE_CPU_GEMM`` checked against this machine; None where the kernel does not run here
+    (or ``inductor`` declines it)."""
     choice = os.environ.get("KVSHARE_CPU_GEMM", "auto")
     if choice not in CHOICES:
         raise KvshareError(f"KVSHARE_CPU_GEMM must be one of {', '.join(CHOICES)}, not {choice!r}")
     if choice == "inductor":
-        return False
+        return None
     ext = extension()
     able = ext is not None and ext.linear_vnni_available()
     if choice == "vnni" and not able:
         raise KvshareError("KVSHARE_CPU_GEMM=vnni needs a CPU with AVX512-BF16 and the C++ kernels built")
-    if able and (choice == "vnni" or not torch.cpu._is_amx_tile_supported()):
-        register()  # before a graph that calls the op is traced or loaded from the cache
-        return True
-    return False
+    return choice if able else None
 
 
 def packable(weight) -> bool:
