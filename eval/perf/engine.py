@@ -381,7 +381,7 @@ def markdown(results: dict) -> str:
     if peer and peer.get("precision"):  # a peer at another precision says which
         lines.append(f"\n{peer['engine']}: {peer['precision']}; {peer['threads']} threads.")
     if results.get("rounds"):
-        lines += _rounds_markdown(results["rounds"], column)
+        lines += _rounds_markdown(results["rounds"], ["kvshare"] + extra, column)
     return "\n".join(lines) + "\n"
 
 
@@ -391,22 +391,25 @@ def _figure_rows(figures: dict) -> list[tuple[str, str]]:
         (k, f"prefill tok/s, {k.split('_')[1]} tokens") for k in figures if k.startswith("prefill_")]
 
 
-def _rounds_markdown(rounds: list[dict], peer_column: str | None) -> list[str]:
-    """Each round's kvshare/HF (and kvshare/peer) ratios: how far the medians above can be trusted."""
+def _rounds_markdown(rounds: list[dict], engines: list[str], peer_column: str | None) -> list[str]:
+    """Each round's ratios of every kvshare engine over HF (and over the peer): how far the
+    medians above can be trusted."""
     lines = ["", f"Figures above: medians of {len(rounds)} rounds, each measuring every engine in turn. "
              "Each round's ratios:", ""]
-    head = "| figure | kvshare/HF per round |" + (f" kvshare/{PEER_COLUMNS[peer_column]} per round |"
-                                                   if peer_column else "")
-    lines += [head, "|---" * (3 if peer_column else 2) + "|"]
-    for key, label in _figure_rows(rounds[0]):
+    others = ["hf"] + ([peer_column] if peer_column else [])
+    names = {"hf": "HF", **({peer_column: PEER_COLUMNS[peer_column]} if peer_column else {})}
+    pairs = [(engine, other) for engine in engines for other in others]
+    label = lambda engine: "kvshare" if engine == "kvshare" else engine[len("kvshare["):-1]  # noqa: E731
+    lines += ["| figure | " + " | ".join(f"{label(e)}/{names[o]} per round" for e, o in pairs) + " |",
+              "|---" * (1 + len(pairs)) + "|"]
+    for key, title in _figure_rows(rounds[0]):
         row = [r[key] for r in rounds if key in r]
-        cells = [", ".join(f"{r['kvshare'] / r['hf']:.2f}x" for r in row)]
-        if peer_column:
-            cells.append(", ".join(f"{r['kvshare'] / r[peer_column]:.2f}x" if r.get(peer_column) else "-"
-                                   for r in row))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    pair = ", ".join(f"{r['icarus_step_ratio']['ratio']:.2f}x" for r in rounds)
-    lines.append(f"\nICaRus paired step / base step per round: {pair}.")
+        cells = [", ".join(f"{r[e] / r[o]:.2f}x" if r.get(e) and r.get(o) else "-" for r in row) for e, o in pairs]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    for engine in engines:
+        steps = [r["icarus_step_ratio"] if engine == "kvshare" else r["icarus_step_ratio"][engine] for r in rounds]
+        lines.append(f"\nICaRus paired step / base step per round ({label(engine)}): "
+                     + ", ".join(f"{s['ratio']:.2f}x" for s in steps) + ".")
     return lines
 
 
