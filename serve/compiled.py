@@ -343,7 +343,7 @@ class CompiledStep:
         rows would otherwise each multiply by the head, the largest weight of a small model."""
         if self._head_packed is not None and len(hidden) <= cpu_linear.MAX_ROWS:
             return torch.ops.kvshare.linear_vnni(hidden, self._head_packed, None).float()
-        return self.model.kernels.linear.apply(hidden, self.model.lm_head).float()
+        return self.model.head(hidden)
 
     @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
     def _run(self, size: int, tokens: torch.Tensor, positions: torch.Tensor, lora: tuple[torch.Tensor, ...],

@@ -139,8 +139,11 @@ class Model:
         if self.hidden_capture is not None:
             capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
         h = self.decoder(h, cos, sin, self.layers, kernels.linear.apply, attend, adapt, capture)
-        h = _rms_norm(h[batch.logit_rows], self.final_norm, self.eps)
-        return kernels.linear.apply(h, self.lm_head).float()
+        return self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-normed hidden states, through the linear backend."""
+        return self.kernels.linear.apply(h, self.lm_head).float()
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin for each row's position, shaped (rows, 1, head_dim)."""
