@@ -195,30 +195,40 @@ class _Decoder(torch.nn.Module):
         return [{key: self._param(f"l{i}_{key}") if key in names else None for key in _LAYER_KEYS}
                 for i, names in enumerate(self.present)]
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, adapt) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, project) -> torch.Tensor:
         m = self.model
         h = F.embedding(tokens, self.embed)
         cos, sin = m.rope(h, positions)
         attend = lambda i, q, k, v, x: torch.ops.kvshare.step_attention(q, k, v, i)  # noqa: E731
-        h = m.decoder(h, cos, sin, self._layers(), _linear, attend, adapt)
+        h = m.decoder(h, cos, sin, self._layers(), project, attend)
         return _rms_norm(h, self.final_norm, m.eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *lora: torch.Tensor) -> torch.Tensor:
         """``lora`` (the graph with adapters): each row's slot and scale, then the slot stacks
         (:meth:`LoraSlots.inputs`)."""
         if not self.adapted:
-            return self._run(tokens, positions, lambda i, fused, x, y: y)
+            return self._run(tokens, positions, lambda i, fused, x, weight, bias=None: _linear(x, weight, bias))
         index, scale, *stacks = lora
         weights = dict(zip(PARTS, zip(stacks[0::2], stacks[1::2])))
 
-        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            parts = [name for name, _ in self.model.fused[fused]]
-            if all(weights[name][0].shape[-2] == 0 for name in parts):  # no adapter adapts these
-                return y
-            deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name in parts]
-            return y + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
+        def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+            parts, offset, adapted = self.model.fused[fused], 0, []  # (name, first column) of each part adapted
+            for name, size in parts:
+                if weights[name][0].shape[-2] > 0:
+                    adapted.append((name, offset))
+                offset += size
+            if not adapted:
+                return _linear(x, weight, bias)
+            blocks = all(first % 16 == 0 and weights[name][1].shape[-1] % 16 == 0 for name, first in adapted)
+            if isinstance(weight, VnniWeight) and x.shape[0] <= cpu_linear.MAX_ROWS and blocks:
+                # the deltas in the projection's own pass (one op; rows of scale 0 skip them)
+                return torch.ops.kvshare.linear_vnni_lora(  # registered by cpu_linear.wanted()
+                    x, weight.packed, bias, [weights[name][0][i] for name, _ in adapted],
+                    [weights[name][1][i] for name, _ in adapted], [first for _, first in adapted], index, scale)
+            deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name, _ in parts]
+            return _linear(x, weight, bias) + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
 
-        return self._run(tokens, positions, adapt)
+        return self._run(tokens, positions, project)
 
 
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
@@ -361,8 +371,14 @@ class CompiledStep:
         try:
             # freezing is read where torch.compile's options are not; set on every call, so that
             # any recompile freezes too (and is keyed by these weights in the on-disk cache).
-            # From a fresh data-stack chunk: else the op's frames may map a chunk per layer (fresh_stack)
-            with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()):
+            # From a fresh data-stack chunk: else the op's frames may map a chunk per layer (fresh_stack).
+            # A graph traced before is called with Dynamo's differentiating guards only: its full
+            # guards check every one of some 400 weights, 0.6 ms of a 9 ms batch-1 step. Those left
+            # tell apart every variant seen (bucket, stack shapes, engine); a variant not seen
+            # yet, or stacks reallocated (``traced`` forgets the graphs with adapters), runs
+            # them all (``first``).
+            with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()), \
+                    torch.compiler.set_stance(skip_guard_eval_unsafe=not first):
                 return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
         finally:
             _step.context = None

@@ -115,8 +115,9 @@ class Model:
         if fork is not None:  # RoPE of every key position the residual keys need
             rope_cos, rope_sin = (t[0] for t in self.rotary(h, torch.arange(fork.max_context, device=h.device)[None]))
 
-        def adapt(i: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            """Add each row's LoRA delta to a fused projection's output (``y``, just computed: in place)."""
+        def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+            """A fused projection of rows ``x`` plus each row's LoRA delta (added in place)."""
+            y = kernels.linear.apply(x, weight, bias)
             return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused]), inplace=True) if groups else y
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class Model:
         capture = None
         if self.hidden_capture is not None:
             capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
-        h = self.decoder(h, cos, sin, self.layers, kernels.linear.apply, attend, adapt, capture)
+        h = self.decoder(h, cos, sin, self.layers, project, attend, capture)
         return self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -150,16 +151,17 @@ class Model:
         cos, sin = self.rotary(h, positions[None])
         return cos[0][:, None, :], sin[0][:, None, :]
 
-    def decoder(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: list[dict], linear,
-                attend, adapt, capture=None) -> torch.Tensor:
+    def decoder(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: list[dict], project,
+                attend, capture=None) -> torch.Tensor:
         """The decoder layers over rows ``h``: norms, fused projections, RoPE, MLP. The caller
         supplies the parts that touch the step's structure: ``attend(i, q, k, v, x)`` (write
-        KV, attend) and ``adapt(i, fused, x, y)`` (LoRA deltas), so the eager forward and the
-        compiled CPU step (:mod:`.compiled`) run the same math."""
+        KV, attend) and ``project(i, fused, x, weight, bias)`` (a fused projection with the
+        rows' LoRA deltas), so the eager forward and the compiled CPU step (:mod:`.compiled`)
+        run the same math."""
         n = h.shape[0]
         for i, L in enumerate(layers):
             x = _rms_norm(h, L["input_norm"], self.eps)
-            q, k, v = torch.split(adapt(i, "qkv", x, linear(x, L["qkv"], L["qkv_bias"])),
+            q, k, v = torch.split(project(i, "qkv", x, L["qkv"], L["qkv_bias"]),
                                   [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, self.n_q, self.head_dim)
             k = k.reshape(n, self.n_kv, self.head_dim)
@@ -170,11 +172,11 @@ class Model:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             a = attend(i, q, k, v, x).reshape(n, self.q_size)
-            h = h + adapt(i, "o", a, linear(a, L["o"]))
+            h = h + project(i, "o", a, L["o"])
             x = _rms_norm(h, L["post_norm"], self.eps)
-            gate, up = torch.split(adapt(i, "gate_up", x, linear(x, L["gate_up"])), [self.inter, self.inter], dim=-1)
+            gate, up = torch.split(project(i, "gate_up", x, L["gate_up"]), [self.inter, self.inter], dim=-1)
             act = F.silu(gate) * up
-            h = h + adapt(i, "down", act, linear(act, L["down"]))
+            h = h + project(i, "down", act, L["down"])
             if capture is not None:
                 capture(h)
         return h

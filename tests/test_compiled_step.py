@@ -35,6 +35,7 @@ def _generate(llm, prompts, names, params):
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
+                assert out.finish_reason != "error", "a step failed"
                 done[out.request_id] = out
     return [done[i] for i in ids]
 
@@ -240,6 +241,23 @@ def test_warm_up_compiles_ahead_and_steps_reuse_its_graph(engines, tokenizer):
     got, want = (_generate(llm, prompts, [None, None], params) for llm in (compiled, eager))
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert runner.compiled.steps - steps >= 3 and runner.compiled.recompiles == 0
+
+
+def test_two_engines_on_different_weights_each_run_their_own_graph(tiny_models, tokenizer):
+    """A graph traced before is called with Dynamo's differentiating guards only. Two engines
+    of one process whose models differ only in their weights (frozen into each graph) share
+    one code object and one cache: stepping them in turn, each keeps its own weights' tokens."""
+    llms = [LLM(tiny_models("llama", seed=seed), [], compile="on", **SETTINGS) for seed in (0, 1)]
+    eager = [LLM(tiny_models("llama", seed=seed), [], compile="off", **SETTINGS) for seed in (0, 1)]
+    prompt = prompts_for(tokenizer, 1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for _ in range(2):  # the second round: every graph traced, called on its differentiating guards
+        for llm, reference in zip(llms, eager):
+            got, want = (_generate(x, prompt, [None], params)[0].token_ids for x in (llm, reference))
+            assert got == want
+    want = [_generate(x, prompt, [None], params)[0].token_ids for x in eager]
+    assert want[0] != want[1]  # the two models do differ
+    assert all(llm.engine.runner.compiled.steps >= 10 for llm in llms)
 
 
 def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_path):

@@ -36,6 +36,42 @@ def test_the_kernel_equals_the_reference(rows, n, k, with_bias):
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_lora_deltas_in_the_projections_pass_equal_the_reference(rows, with_bias):
+    """Two parts of a fused output (the first and the last columns; the middle has no adapter),
+    stacks of three slots, ranks 8 and 16 with a K not a multiple of 32, and rows of every slot
+    or none (scale 0: exactly the plain projection)."""
+    g = torch.Generator().manual_seed(rows)
+    n, k, slots = 160, 72, 3
+    parts = [(0, 32, 8), (96, 64, 16)]  # (first column, columns, rank)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    a = [(torch.randn(slots, r, k, generator=g) / k ** 0.5).bfloat16() for _, _, r in parts]
+    b_t = [torch.randn(slots, r, width, generator=g).bfloat16() for _, width, r in parts]
+    index = torch.arange(rows) % slots
+    scale = torch.tensor([0.0 if row % 4 == 3 else 0.5 + row for row in range(rows)])
+    got = cpu_linear.linear_vnni_lora(x, cpu_linear.pack(w), bias, a, b_t, [first for first, _, _ in parts], index, scale)
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    for (first, width, _), a_p, b_p in zip(parts, a, b_t):
+        t = torch.einsum("mk,mrk->mr", x.float(), a_p.float()[index])
+        want[:, first:first + width] += scale[:, None] * torch.einsum("mr,mrn->mn", t, b_p.float()[index])
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=2 ** -6 * float(want.abs().max()) + 1e-3)
+    plain = cpu_linear.linear_vnni(x, cpu_linear.pack(w), bias)
+    assert torch.equal(got[scale == 0], plain[scale == 0])
+    assert not torch.equal(got[scale != 0], plain[scale != 0])
+
+
+@needs_bf16
+def test_lora_parts_off_the_16_column_blocks_are_refused():
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+    a, b_t = [torch.randn(1, 8, 32).bfloat16()], [torch.randn(1, 8, 16).bfloat16()]
+    with pytest.raises(RuntimeError, match="blocks of 16"):
+        cpu_linear.linear_vnni_lora(x, cpu_linear.pack(w), None, a, b_t, [8], torch.zeros(2, dtype=torch.long), torch.ones(2))
+
+
+@needs_bf16
 def test_leading_dims_and_a_strided_input_keep_their_shape():
     w = torch.randn(32, 64).bfloat16()
     x = torch.randn(3, 2, 128).bfloat16()[..., ::2]  # not contiguous

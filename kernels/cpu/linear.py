@@ -79,11 +79,28 @@ def linear_vnni(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.kvshare.linear_vnni(x, packed, bias)
 
 
+def linear_vnni_lora(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, a: list[torch.Tensor],
+                     b_t: list[torch.Tensor], offsets: list[int], index: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+    """:func:`linear_vnni` plus each row's LoRA delta in the same pass: output columns
+    ``offsets[p]`` on (``b_t[p].shape[-1]`` of them, multiples of 16) get ``scale[row] * (x
+    A_p^T) B_p^T`` with the row's slot ``index[row]`` of ``a[p]`` [slots, rank, in] and ``b_t[p]``
+    [slots, rank, out] (the slot stacks of :mod:`kvshare.serve.lora_slots`); rows of scale 0 get
+    none. The delta is added in float32 before the one rounding to bfloat16."""
+    register()
+    return torch.ops.kvshare.linear_vnni_lora(x, packed, bias, a, b_t, offsets, index, scale)
+
+
+def _output_like(x: torch.Tensor, packed: torch.Tensor, *_) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2])
+
+
 @functools.cache
 def register() -> None:
-    """Load the extension, which defines the op ``kvshare::linear_vnni`` in C++, and give the op
-    its fake (shape) function for tracing, once per process."""
+    """Load the extension, which defines the ops ``kvshare::linear_vnni`` and
+    ``kvshare::linear_vnni_lora`` in C++, and give them their fake (shape) functions for tracing,
+    once per process."""
     if extension() is None:
         raise KvshareError("the C++ CPU kernels could not be built here")
-    torch.library.register_fake("kvshare::linear_vnni")(
-        lambda x, packed, bias=None: x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+    for op in ("kvshare::linear_vnni", "kvshare::linear_vnni_lora"):
+        torch.library.register_fake(op)(_output_like)
