@@ -8,7 +8,9 @@ the rest of an ICaRus paired step. vLLM's layout instead: per projection one sta
 rank, out)``, zero-padded to the stacks' rank (zeros add exact zeros), handed to the graph
 as inputs. Each row picks its slot's weights by index, so every row of a step, with any mix
 of adapters, is one fused reduction per projection inside the graph; a row without adapter
-takes slot 0 with scale 0. Loading or unloading an adapter rewrites slots in place: the
+takes slot 0 with scale 0. Where the projections run in dot products (bfloat16 decode buckets,
+:mod:`kvshare.kernels.cpu.linear`), the deltas run inside that op instead, in the same pass over
+the weight, and rows of scale 0 skip them. Loading or unloading an adapter rewrites slots in place: the
 graph stays, unless the stacks' rank has to grow (the next power of two of the largest rank,
 at least 8, at most ``max_rank``). Adapters past ``max_loras`` slots or ``max_rank`` run on
 the eager step.
