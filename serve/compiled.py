@@ -65,6 +65,9 @@ _PROJECTIONS = ("_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` mu
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
+# Dynamo's stance (which guards a call runs) is process-wide: engines stepped on two threads
+# take turns calling their graphs, so one's first call never runs on another's reduced guards
+_stance_lock = threading.Lock()
 
 # The op is declared without mutated arguments: the KV memory it writes is not a graph input,
 # and nothing in the graph reads it but the same op of the same layer, after its write.
@@ -377,7 +380,7 @@ class CompiledStep:
             # tell apart every variant seen (bucket, stack shapes, engine); a variant not seen
             # yet, or stacks reallocated (``traced`` forgets the graphs with adapters), runs
             # them all (``first``).
-            with torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()), \
+            with _stance_lock, torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()), \
                     torch.compiler.set_stance(skip_guard_eval_unsafe=not first):
                 return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
         finally:

@@ -130,6 +130,8 @@ def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models,
         assert kv[f"lora_{n}_bytes"] == n * kv["one_agent_bytes"]  # a cache per agent
     assert (tmp_path / "engine_bench.md").read_text().startswith("| figure |")
     assert results["decode_b1"]["kvshare"] > 0 and results["icarus_step_ratio"]["ratio"] > 0
+    step = results["icarus_step_ratio"]  # base and paired steps alternated, the median ratio reported
+    assert len(step["ratios"]) == 5 and step["ratio"] == sorted(step["ratios"])[2]
 
 
 def test_engine_benchmark_measures_several_backends_in_one_run(tiny_models, tmp_path):

