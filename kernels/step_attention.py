@@ -35,6 +35,18 @@ def layer_rows(kv_cache: torch.Tensor) -> tuple[list[tuple[torch.Tensor, ...]], 
     return views, ratio
 
 
+def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
+    """``rows`` as a slice where they step evenly (the base rows of ICaRus pairs are every other
+    row), so that each layer views them instead of copying them (60 copies a step); else as they are."""
+    if len(rows) == 0 or rows.device.type != "cpu":
+        return rows
+    values = rows.tolist()
+    step = values[1] - values[0] if len(values) > 1 else 1
+    if step <= 0 or any(b - a != step for a, b in zip(values, values[1:])):
+        return rows
+    return slice(values[0], values[-1] + 1, step)
+
+
 class StepAttention:
     """One step's KV writes and paged attention over :func:`layer_rows` views, for the step's
     first ``rows`` query rows (the rest are pad rows: they neither write nor read); with
@@ -44,7 +56,8 @@ class StepAttention:
         self.rows = rows
         block_size = meta.block_size
         self.write_all = len(meta.write_rows) == rows
-        self.write_rows = meta.write_rows
+        # ICaRus pairs write every other row: a strided view
+        self.write_rows = meta.write_rows if self.write_all else _as_slice(meta.write_rows)
         slots = meta.slot_mapping[:rows] if self.write_all else meta.slot_mapping.index_select(0, meta.write_rows)
         self.write_index = slot_index(slots, block_size, ratio)
         self.meta, self.layout = meta, cpu.Layout(meta, rows) if kernel else None
@@ -92,7 +105,10 @@ class StepAttention:
         n = self.rows
         k, v = k[:n], v[:n]
         if not self.write_all:
-            k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
+            if isinstance(self.write_rows, slice):
+                k, v = k[self.write_rows], v[self.write_rows]
+            else:
+                k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
         if len(self.write_index):
             k_rows.index_copy_(0, self.write_index, k.to(k_rows.dtype))
             v_rows.index_copy_(0, self.write_index, v.to(v_rows.dtype))

@@ -22,6 +22,7 @@ LAYOUTS = {
     "decode, equal lengths": [([5], [True]), ([5], [True])],
     "ICaRus pairs": [([6, 6], [True, False]), ([11, 11], [True, False])],
     "a read-only row": [([6], [False]), ([3], [True])],
+    "a pair beside decode rows": [([6, 6], [True, False]), ([3], [True]), ([9], [True])],  # writes 0, 2, 3
     "prompt rows beside decode rows": [([0, 1, 2, 3, 4], [True] * 5), ([8], [True])],
     "a prompt chunk": [([4, 5, 6], [True] * 3), ([2, 2], [True, False])],
     "a long prompt chunk beside a pair": [(list(range(3, 3 + cpu.FEW_ROWS + 2)), [True] * (cpu.FEW_ROWS + 2)),
@@ -64,6 +65,9 @@ def test_step_attention_equals_the_reference(layout, pad, n_q, kernel):
         torch.testing.assert_close(got[:rows], want, atol=1e-5, rtol=1e-5)
         assert not got[rows:].any()  # pad rows read nothing
     assert torch.equal(kv, want_kv)  # the same slots written, pad rows and read-only rows nowhere
+    # writing rows that step evenly are viewed, not copied (ICaRus pairs: every other row)
+    assert isinstance(attention.write_rows, slice) == (layout in ("ICaRus pairs", "a read-only row", "a prompt chunk",
+                                                                  "a long prompt chunk beside a pair"))
     one_call = ("decode, unequal lengths", "decode, equal lengths", "ICaRus pairs", "a read-only row")
     if kernel:  # the long chunk's sequence is left to SDPA, every other to the kernel
         assert attention.layout.large == ([0] if layout.startswith("a long") else [])

@@ -13,8 +13,9 @@
 // while they are in cache.
 //
 // `linear_vnni_lora` adds each row's LoRA delta, scale * (x A^T) B^T with the row's own slot of
-// the stacks, in the same pass: the shrink x A^T (rank-wide, a few dot products per row) runs
-// first, the expand in each block's epilogue while the accumulators are in registers. Rows whose
+// the stacks, in the same op: the shrink x A^T (rank-wide, a few dot products per row) runs
+// first; each thread expands the deltas of its own output blocks (B^T read in order), and its
+// tiles add them before their one rounding. Rows whose
 // scale is 0 (no adapter, an ICaRus pair's base row, pad rows) skip both. In the compiled step's
 // graph the same delta took Inductor two reductions per projection, each a parallel region with
 // its barriers: 0.65 ms of a 10.7 ms ICaRus pair step (results/engine-cpu-bf16/session23).
@@ -41,12 +42,8 @@ struct LoraEpilogue {
   const int64_t* slot;           // per row
   const float* scale;            // per row; 0: no delta
   std::vector<float> t;          // [row][part][max_rank]: scale * x A^T
-
-  int64_t part_of(int64_t column) const {  // the part covering an output column, or -1
-    for (int64_t p = 0; p < parts; ++p)
-      if (column >= offset[p] && column < offset[p] + width[p]) return p;
-    return -1;
-  }
+  std::vector<float> delta;      // [row][N]: the deltas, filled per thread for its own blocks
+  int64_t n = 0;                 // outputs
 };
 
 #if defined(__AVX512BF16__)
@@ -72,17 +69,28 @@ inline float dot(const uint16_t* x, const uint16_t* a, int64_t K) {
   return sum;
 }
 
-// Row m's LoRA delta for the 16 outputs of `block`. Out of line: the tile's accumulators stay
-// in registers through its main loop.
-__attribute__((noinline)) __m512 lora_delta(const LoraEpilogue& lora, int64_t m, int64_t block) {
-  __m512 delta = _mm512_setzero_ps();
-  const int64_t part = lora.part_of(block * kLanes);
-  if (part < 0) return delta;
-  const int64_t rank = lora.rank[part], width = lora.width[part];
-  const float* t = lora.t.data() + (m * lora.parts + part) * lora.max_rank;
-  const uint16_t* bt = lora.b[part] + lora.slot[m] * rank * width + block * kLanes - lora.offset[part];
-  for (int64_t j = 0; j < rank; ++j) delta = _mm512_fmadd_ps(_mm512_set1_ps(t[j]), widen(bt + j * width), delta);
-  return delta;
+// The deltas of blocks [first, last) for every row with a scale: for each rank, a row of B^T
+// (read in order) times that rank's x A^T. Each thread fills its own blocks before multiplying
+// them, so the tile's epilogue only adds a vector.
+void fill_deltas(LoraEpilogue& lora, int64_t M, int64_t first, int64_t last) {
+  for (int64_t m = 0; m < M; ++m) {
+    if (lora.scale[m] == 0.f) continue;
+    float* out = lora.delta.data() + m * lora.n;
+    for (int64_t block = first; block < last; ++block) _mm512_storeu_ps(out + block * kLanes, _mm512_setzero_ps());
+    for (int64_t p = 0; p < lora.parts; ++p) {
+      const int64_t begin = std::max(first * kLanes, lora.offset[p]);
+      const int64_t end = std::min(last * kLanes, lora.offset[p] + lora.width[p]);
+      if (begin >= end) continue;
+      const int64_t rank = lora.rank[p], width = lora.width[p];
+      const float* t = lora.t.data() + (m * lora.parts + p) * lora.max_rank;
+      const uint16_t* bt = lora.b[p] + lora.slot[m] * rank * width - lora.offset[p];
+      for (int64_t c = begin; c < end; c += kLanes) {
+        __m512 acc = _mm512_loadu_ps(out + c);
+        for (int64_t j = 0; j < rank; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(t[j]), widen(bt + j * width + c), acc);
+        _mm512_storeu_ps(out + c, acc);
+      }
+    }
+  }
 }
 
 template <int R, int B>
@@ -108,7 +116,8 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block0
     const __m512 add = bias ? _mm512_loadu_ps(bias + (block0 + b) * kLanes) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       __m512 sum = _mm512_add_ps(acc[r][b], add);
-      if (lora && lora->scale[m0 + r] != 0.f) sum = _mm512_add_ps(sum, lora_delta(*lora, m0 + r, block0 + b));
+      if (lora && lora->scale[m0 + r] != 0.f)
+        sum = _mm512_add_ps(sum, _mm512_loadu_ps(lora->delta.data() + (m0 + r) * N + (block0 + b) * kLanes));
       const __m256bh out = _mm512_cvtneps_pbh(sum);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (block0 + b) * kLanes), (__m256i)out);
     }
@@ -134,7 +143,7 @@ void rows_of(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t
 // y = x W^T + bias (+ the LoRA epilogue's deltas), rounded to bfloat16 once; `rows` is x as
 // [M, K], contiguous
 torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& packed,
-                       const c10::optional<torch::Tensor>& bias, const LoraEpilogue* lora) {
+                       const c10::optional<torch::Tensor>& bias, LoraEpilogue* lora) {
   const int64_t K = x.size(-1), N = packed.size(0) * kLanes;
   const int64_t M = rows.size(0);
   auto sizes = x.sizes().vec();
@@ -149,6 +158,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& rows, const 
   const int64_t total = packed.size(0);
   const int64_t per_thread = (total + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, total, per_thread, [&](int64_t first, int64_t last) {
+    if (lora) fill_deltas(*lora, M, first, last);
     int64_t b = first;
     for (; b + 4 <= last; b += 4) rows_of<4>(xs, M, K, ws, b, b32, ys, N, lora);
     for (; b + 2 <= last; b += 2) rows_of<2>(xs, M, K, ws, b, b32, ys, N, lora);
@@ -205,8 +215,8 @@ torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optio
   const int64_t M = rows.size(0);
   TORCH_CHECK(index.numel() == M && scale.numel() == M, "a slot and a scale per row");
   TORCH_CHECK(parts <= kMaxParts, "at most ", kMaxParts, " parts");
-  auto slots = index.to(torch::kInt64).contiguous();
-  auto scales = scale.to(torch::kFloat32).contiguous();
+  auto slots = index.scalar_type() == torch::kInt64 ? index.contiguous() : index.to(torch::kInt64).contiguous();
+  auto scales = scale.scalar_type() == torch::kFloat32 ? scale.contiguous() : scale.to(torch::kFloat32).contiguous();
   LoraEpilogue lora;
   lora.parts = parts;
   lora.slot = slots.data_ptr<int64_t>();
@@ -232,7 +242,11 @@ torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optio
   auto xs = reinterpret_cast<const uint16_t*>(rows.data_ptr());
   for (int64_t m = 0; m < M; ++m) {
     if (lora.scale[m] == 0.f) continue;
-    if (!any) lora.t.assign(M * parts * lora.max_rank, 0.f);
+    if (!any) {
+      lora.t.assign(M * parts * lora.max_rank, 0.f);
+      lora.n = N;
+      lora.delta.resize(M * N);
+    }
     any = true;
     for (int64_t p = 0; p < parts; ++p) {
       const int64_t slot = lora.slot[m], rank = lora.rank[p];
