@@ -154,9 +154,6 @@ class _Decoder(torch.nn.Module):
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
-        # decode buckets' LoRA deltas in C++ ops (kvshare::linear_vnni_lora, kvshare::lora_add)
-        # rather than Inductor's reductions, two per projection, each a parallel region
-        self.lora_ops = adapted and cpu_linear.lora_available()
         for name in ("embed", "final_norm"):  # the head runs after the graph, on the logit rows only
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -225,14 +222,12 @@ class _Decoder(torch.nn.Module):
                 offset += size
             if not adapted:
                 return _linear(x, weight, bias)
-            ops = (self.lora_ops and x.dtype == torch.bfloat16 and x.shape[0] <= cpu_linear.MAX_ROWS
-                   and all(first % 16 == 0 and weights[name][1].shape[-1] % 16 == 0 for name, first in adapted))
-            if ops:  # one C++ op for the deltas; rows of scale 0 skip them
-                stacks = ([weights[name][0][i] for name, _ in adapted], [weights[name][1][i] for name, _ in adapted],
-                          [first for _, first in adapted], index, scale)
-                if isinstance(weight, VnniWeight):  # in the projection's own pass
-                    return torch.ops.kvshare.linear_vnni_lora(x, weight.packed, bias, *stacks)
-                return torch.ops.kvshare.lora_add(_linear(x, weight, bias), x, *stacks)
+            blocks = all(first % 16 == 0 and weights[name][1].shape[-1] % 16 == 0 for name, first in adapted)
+            if isinstance(weight, VnniWeight) and x.shape[0] <= cpu_linear.MAX_ROWS and blocks:
+                # the deltas in the projection's own pass (one op; rows of scale 0 skip them)
+                return torch.ops.kvshare.linear_vnni_lora(  # registered by cpu_linear.wanted()
+                    x, weight.packed, bias, [weights[name][0][i] for name, _ in adapted],
+                    [weights[name][1][i] for name, _ in adapted], [first for _, first in adapted], index, scale)
             deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name, _ in parts]
             return _linear(x, weight, bias) + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
 

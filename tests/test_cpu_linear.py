@@ -64,28 +64,6 @@ def test_lora_deltas_in_the_projections_pass_equal_the_reference(rows, with_bias
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 7])
-def test_lora_add_equals_the_reference(rows):
-    """The deltas added to a projection another kernel computed (int4, int8, the GEMM template):
-    one part of a 3-part output, rank 8, rows of two slots or none."""
-    g = torch.Generator().manual_seed(rows)
-    n, k, slots, first, width = 96, 64, 2, 32, 48
-    y = torch.randn(rows, n, generator=g).bfloat16()
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    a = [(torch.randn(slots, 8, k, generator=g) / k ** 0.5).bfloat16()]
-    b_t = [torch.randn(slots, 8, width, generator=g).bfloat16()]
-    index = torch.arange(rows) % slots
-    scale = torch.tensor([0.0 if row % 3 == 2 else 1.5 for row in range(rows)])
-    got = cpu_linear.lora_add(y, x, a, b_t, [first], index, scale)
-    want = y.float()
-    t = torch.einsum("mk,mrk->mr", x.float(), a[0].float()[index])
-    want[:, first:first + width] += scale[:, None] * torch.einsum("mr,mrn->mn", t, b_t[0].float()[index])
-    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=2 ** -7 * float(want.abs().max()))
-    assert torch.equal(got[scale == 0], y[scale == 0]) and torch.equal(got[:, :first], y[:, :first])
-    assert not torch.equal(got[scale != 0], y[scale != 0])
-
-
-@needs_bf16
 def test_lora_parts_off_the_16_column_blocks_are_refused():
     w, x = torch.randn(64, 32).bfloat16(), torch.randn(2, 32).bfloat16()
     a, b_t = [torch.randn(1, 8, 32).bfloat16()], [torch.randn(1, 8, 16).bfloat16()]

@@ -91,35 +91,16 @@ def linear_vnni_lora(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.kvshare.linear_vnni_lora(x, packed, bias, a, b_t, offsets, index, scale)
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b_t: list[torch.Tensor], offsets: list[int],
-             index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``y`` (a projection of ``x`` by another kernel: int4 or int8 weights, Inductor's GEMM
-    template) plus each row's LoRA delta, the parts as for :func:`linear_vnni_lora`; the sum in
-    float32, rounded to bfloat16 once."""
-    register()
-    return torch.ops.kvshare.lora_add(y, x, a, b_t, offsets, index, scale)
-
-
-def lora_available() -> bool:
-    """Whether the LoRA ops run here (the C++ kernels built, AVX512-BF16); registers them."""
-    ext = extension()
-    if ext is None or not ext.linear_vnni_available():
-        return False
-    register()
-    return True
-
-
 def _output_like(x: torch.Tensor, packed: torch.Tensor, *_) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0] * packed.shape[2])
 
 
 @functools.cache
 def register() -> None:
-    """Load the extension, which defines the ops ``kvshare::linear_vnni``,
-    ``kvshare::linear_vnni_lora`` and ``kvshare::lora_add`` in C++, and give them their fake (shape) functions for tracing,
+    """Load the extension, which defines the ops ``kvshare::linear_vnni`` and
+    ``kvshare::linear_vnni_lora`` in C++, and give them their fake (shape) functions for tracing,
     once per process."""
     if extension() is None:
         raise KvshareError("the C++ CPU kernels could not be built here")
     for op in ("kvshare::linear_vnni", "kvshare::linear_vnni_lora"):
         torch.library.register_fake(op)(_output_like)
-    torch.library.register_fake("kvshare::lora_add")(lambda y, *_: torch.empty_like(y))

@@ -200,25 +200,27 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, c10::optional<t
 #endif
 }
 
-namespace {
-
+// linear_vnni plus each row's LoRA delta: part p of the output (columns offsets[p] ..
+// offsets[p] + b_t[p].size(2), multiples of 16) gets scale[row] * (x A_p[slot]^T) B_p[slot]^T,
+// where a[p] is [slots, rank, K], b_t[p] [slots, rank, width] and slot = index[row].
+torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                               std::vector<torch::Tensor> a, std::vector<torch::Tensor> b_t,
+                               std::vector<int64_t> offsets, torch::Tensor index, torch::Tensor scale) {
 #if defined(__AVX512BF16__)
-// Check the stacks and work out `lora` for rows [M, K] and N outputs: each part's columns and
-// B^T, each row's slot and scale, and the shrink x A^T of every row with a scale (the tensors
-// whose memory it points into are kept in `keep`). False when no row has a scale.
-bool prepare_lora(LoraEpilogue& lora, std::vector<torch::Tensor>& keep, const torch::Tensor& rows, int64_t N,
-                  std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b_t, const std::vector<int64_t>& offsets,
-                  const torch::Tensor& index, const torch::Tensor& scale) {
-  const int64_t M = rows.size(0), K = rows.size(1), parts = static_cast<int64_t>(a.size());
+  check_packed(x, packed);
+  const int64_t K = x.size(-1), N = packed.size(0) * kLanes, parts = static_cast<int64_t>(a.size());
   TORCH_CHECK(static_cast<int64_t>(b_t.size()) == parts && static_cast<int64_t>(offsets.size()) == parts,
               "one A, one B^T and one offset per part");
+  auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
   TORCH_CHECK(index.numel() == M && scale.numel() == M, "a slot and a scale per row");
   TORCH_CHECK(parts <= kMaxParts, "at most ", kMaxParts, " parts");
-  keep.push_back(index.scalar_type() == torch::kInt64 ? index.contiguous() : index.to(torch::kInt64).contiguous());
-  keep.push_back(scale.scalar_type() == torch::kFloat32 ? scale.contiguous() : scale.to(torch::kFloat32).contiguous());
+  auto slots = index.scalar_type() == torch::kInt64 ? index.contiguous() : index.to(torch::kInt64).contiguous();
+  auto scales = scale.scalar_type() == torch::kFloat32 ? scale.contiguous() : scale.to(torch::kFloat32).contiguous();
+  LoraEpilogue lora;
   lora.parts = parts;
-  lora.slot = keep[0].data_ptr<int64_t>();
-  lora.scale = keep[1].data_ptr<float>();
+  lora.slot = slots.data_ptr<int64_t>();
+  lora.scale = scales.data_ptr<float>();
   for (int64_t p = 0; p < parts; ++p) {
     a[p] = a[p].contiguous();
     b_t[p] = b_t[p].contiguous();
@@ -254,75 +256,22 @@ bool prepare_lora(LoraEpilogue& lora, std::vector<torch::Tensor>& keep, const to
       for (int64_t j = 0; j < rank; ++j) t[j] = lora.scale[m] * dot(xs + m * K, ap + j * K, K);
     }
   }
-  return any;
-}
-#endif
-
-}  // namespace
-
-// linear_vnni plus each row's LoRA delta: part p of the output (columns offsets[p] ..
-// offsets[p] + b_t[p].size(2), multiples of 16) gets scale[row] * (x A_p[slot]^T) B_p[slot]^T,
-// where a[p] is [slots, rank, K], b_t[p] [slots, rank, width] and slot = index[row].
-torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                               std::vector<torch::Tensor> a, std::vector<torch::Tensor> b_t,
-                               std::vector<int64_t> offsets, torch::Tensor index, torch::Tensor scale) {
-#if defined(__AVX512BF16__)
-  check_packed(x, packed);
-  auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  LoraEpilogue lora;
-  std::vector<torch::Tensor> keep;
-  const bool any = prepare_lora(lora, keep, rows, packed.size(0) * kLanes, a, b_t, offsets, index, scale);
   return multiply(x, rows, packed, bias, any ? &lora : nullptr);
 #else
   TORCH_CHECK(false, "linear_vnni_lora needs a CPU with AVX512-BF16 (this build has none)");
 #endif
 }
 
-// y plus each row's LoRA delta (the parts as for linear_vnni_lora), for a projection computed by
-// another kernel (int4 or int8 weights, Inductor's GEMM template): the sum in float32, rounded
-// to bfloat16 once. Rows of scale 0 are y's, unchanged.
-torch::Tensor lora_add(torch::Tensor y, torch::Tensor x, std::vector<torch::Tensor> a, std::vector<torch::Tensor> b_t,
-                       std::vector<int64_t> offsets, torch::Tensor index, torch::Tensor scale) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && y.scalar_type() == torch::kBFloat16, "bfloat16");
-  const int64_t N = y.size(-1);
-  auto rows = x.reshape({-1, x.size(-1)}).contiguous();
-  TORCH_CHECK(N % kLanes == 0 && y.numel() == rows.size(0) * N, "y [rows, outputs (a multiple of 16)] for x's rows");
-  auto out = y.contiguous().clone();
-  LoraEpilogue lora;
-  std::vector<torch::Tensor> keep;
-  if (!prepare_lora(lora, keep, rows, N, a, b_t, offsets, index, scale)) return out;
-  const int64_t M = rows.size(0), blocks = N / kLanes;
-  auto ys = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, blocks, (blocks + at::get_num_threads() - 1) / at::get_num_threads(), [&](int64_t first, int64_t last) {
-    fill_deltas(lora, M, first, last);
-    for (int64_t m = 0; m < M; ++m) {
-      if (lora.scale[m] == 0.f) continue;
-      for (int64_t block = first; block < last; ++block) {
-        uint16_t* at = ys + m * N + block * kLanes;
-        const __m512 sum = _mm512_add_ps(widen(at), _mm512_loadu_ps(lora.delta.data() + m * N + block * kLanes));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), (__m256i)_mm512_cvtneps_pbh(sum));
-      }
-    }
-  });
-  return out;
-#else
-  TORCH_CHECK(false, "lora_add needs a CPU with AVX512-BF16 (this build has none)");
-#endif
-}
-
-// The ops the compiled step's graphs call, registered here rather than as Python custom ops: a
+// The op the compiled step's graphs call, registered here rather than as a Python custom op: a
 // Python op body cost about 6 us a call, some 0.8 ms of a 9 ms decode step's 121 projections.
-// Their fake (shape) functions are registered from Python (kvshare.kernels.cpu.linear).
+// Its fake (shape) function is registered from Python (kvshare.kernels.cpu.linear).
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
   m.def("linear_vnni(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
   m.def("linear_vnni_lora(Tensor x, Tensor packed, Tensor? bias, Tensor[] a, Tensor[] b_t, int[] offsets, "
         "Tensor index, Tensor scale) -> Tensor");
-  m.def("lora_add(Tensor y, Tensor x, Tensor[] a, Tensor[] b_t, int[] offsets, Tensor index, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvshare, CPU, m) {
   m.impl("linear_vnni", &linear_vnni);
   m.impl("linear_vnni_lora", &linear_vnni_lora);
-  m.impl("lora_add", &lora_add);
 }
