@@ -15,10 +15,10 @@
 // `linear_vnni_lora` adds each row's LoRA delta, scale * (x A^T) B^T with the row's own slot of
 // the stacks, in the same op: the shrink x A^T (rank-wide, a few dot products per row) runs
 // first; each thread expands the deltas of its own output blocks (B^T read in order), and its
-// tiles add them before their one rounding. Rows whose
-// scale is 0 (no adapter, an ICaRus pair's base row, pad rows) skip both. In the compiled step's
-// graph the same delta took Inductor two reductions per projection, each a parallel region with
-// its barriers: 0.65 ms of a 10.7 ms ICaRus pair step (results/engine-cpu-bf16/session23).
+// tiles add them before their one rounding. Rows whose scale is 0 (no adapter, an ICaRus pair's
+// base row, pad rows) skip both. In the compiled step's graph the same delta took Inductor two
+// reductions per projection, each a parallel region with its barriers: 0.65 ms of a 10.7 ms
+// ICaRus pair step (results/engine-cpu-bf16/session23).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -262,9 +262,9 @@ torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optio
 #endif
 }
 
-// The op the compiled step's graphs call, registered here rather than as a Python custom op: a
+// The ops the compiled step's graphs call, registered here rather than as Python custom ops: a
 // Python op body cost about 6 us a call, some 0.8 ms of a 9 ms decode step's 121 projections.
-// Its fake (shape) function is registered from Python (kvshare.kernels.cpu.linear).
+// Their fake (shape) functions are registered from Python (kvshare.kernels.cpu.linear).
 TORCH_LIBRARY_FRAGMENT(kvshare, m) {
   m.def("linear_vnni(Tensor x, Tensor packed, Tensor? bias=None) -> Tensor");
   m.def("linear_vnni_lora(Tensor x, Tensor packed, Tensor? bias, Tensor[] a, Tensor[] b_t, int[] offsets, "
