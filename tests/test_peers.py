@@ -429,6 +429,7 @@ def test_engine_bench_rounds_report_each_figures_median_and_every_rounds_ratios(
         ours = sorted(r[key]["kvshare"] for r in rounds)
         assert results[key]["kvshare"] == ours[1] and results[key]["hf"] == sorted(r[key]["hf"] for r in rounds)[1]
     assert results["icarus_step_ratio"]["ratio"] == sorted(r["icarus_step_ratio"]["ratio"] for r in rounds)[1]
+    assert results["icarus_step_ratio"]["ratios"] == [x for r in rounds for x in r["icarus_step_ratio"]["ratios"]]
     assert results["peer"]["engine"] == "llama.cpp"
     table = engine.markdown(results)
     assert "kvshare (float32, torch kernels)" in table.splitlines()[0]

@@ -55,6 +55,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PAIR_ALTERNATIONS = 5  # base and paired steps measured in turn, per engine and round
+
+
 def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: int = 24) -> float:
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True), adapter=adapter)
@@ -68,7 +71,7 @@ def _engine_step_time(llm: LLM, prompt: list[int], adapter: str | None, steps: i
     return times[len(times) // 2]  # median step
 
 
-def _pair_step_ratio(llm: LLM, prompt: list[int], adapter: str, times: int = 5) -> dict:
+def _pair_step_ratio(llm: LLM, prompt: list[int], adapter: str, times: int = PAIR_ALTERNATIONS) -> dict:
     """An ICaRus paired decode step against a base step, measured alternately ``times`` times
     (after a paired warm-up): a VM's speed drifts 10-25% within minutes, more than the gap
     measured, so one measure of each, minutes apart, says little. The median step of each
@@ -118,8 +121,11 @@ def _merge(results: dict, figures: dict, backend: str, first: bool) -> None:
 
 def _median_of_rounds(rounds: list[dict]) -> dict:
     """Each figure's median over the rounds (a ratio's too: the median of each round's ratio of
-    paired times). Compile times come from the first round: later ones load the graphs from disk."""
+    paired times; the alternations' ratios of every round together). Compile times come from the
+    first round: later ones load the graphs from disk."""
     def median(values: list):
+        if isinstance(values[0], list):
+            return [v for round_values in values for v in round_values]
         if isinstance(values[0], dict):
             return {key: median([v[key] for v in values if key in v]) for key in values[0]}
         if isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
@@ -379,7 +385,7 @@ def markdown(results: dict) -> str:
         lines.append(line)
     s = results["icarus_step_ratio"]
     steps = [s] + [s[col] for col in extra]
-    lines.append(f"| ICaRus paired decode step / base step (medians; ratio: median of {len(s.get('ratios', [0]))} alternations) | " + " | ".join(
+    lines.append(f"| ICaRus paired decode step / base step (medians; ratio: median of {PAIR_ALTERNATIONS} alternations) | " + " | ".join(
         [f"{steps[0]['icarus_step_s'] * 1e3:.2f} / {steps[0]['base_step_s'] * 1e3:.2f} ms | | {steps[0]['ratio']:.2f}x"]
         + [f"{t['icarus_step_s'] * 1e3:.2f} / {t['base_step_s'] * 1e3:.2f} ms | {t['ratio']:.2f}x" for t in steps[1:]])
         + " |" + blank)

@@ -43,7 +43,6 @@ struct LoraEpilogue {
   const float* scale;            // per row; 0: no delta
   std::vector<float> t;          // [row][part][max_rank]: scale * x A^T
   std::vector<float> delta;      // [row][N]: the deltas, filled per thread for its own blocks
-  int64_t n = 0;                 // outputs
 };
 
 #if defined(__AVX512BF16__)
@@ -72,10 +71,10 @@ inline float dot(const uint16_t* x, const uint16_t* a, int64_t K) {
 // The deltas of blocks [first, last) for every row with a scale: for each rank, a row of B^T
 // (read in order) times that rank's x A^T. Each thread fills its own blocks before multiplying
 // them, so the tile's epilogue only adds a vector.
-void fill_deltas(LoraEpilogue& lora, int64_t M, int64_t first, int64_t last) {
+void fill_deltas(LoraEpilogue& lora, int64_t M, int64_t N, int64_t first, int64_t last) {
   for (int64_t m = 0; m < M; ++m) {
     if (lora.scale[m] == 0.f) continue;
-    float* out = lora.delta.data() + m * lora.n;
+    float* out = lora.delta.data() + m * N;
     for (int64_t block = first; block < last; ++block) _mm512_storeu_ps(out + block * kLanes, _mm512_setzero_ps());
     for (int64_t p = 0; p < lora.parts; ++p) {
       const int64_t begin = std::max(first * kLanes, lora.offset[p]);
@@ -158,7 +157,7 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& rows, const 
   const int64_t total = packed.size(0);
   const int64_t per_thread = (total + at::get_num_threads() - 1) / at::get_num_threads();
   at::parallel_for(0, total, per_thread, [&](int64_t first, int64_t last) {
-    if (lora) fill_deltas(*lora, M, first, last);
+    if (lora) fill_deltas(*lora, M, N, first, last);
     int64_t b = first;
     for (; b + 4 <= last; b += 4) rows_of<4>(xs, M, K, ws, b, b32, ys, N, lora);
     for (; b + 2 <= last; b += 2) rows_of<2>(xs, M, K, ws, b, b32, ys, N, lora);
@@ -244,7 +243,6 @@ torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optio
     if (lora.scale[m] == 0.f) continue;
     if (!any) {
       lora.t.assign(M * parts * lora.max_rank, 0.f);
-      lora.n = N;
       lora.delta.resize(M * N);
     }
     any = true;
