@@ -21,12 +21,13 @@ KEY = "load-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server_url(base, adapters):
+def _serve(base, adapters, max_model_len: int):
+    """A `kvshare serve` process on a free loopback port: yields its URL, stops it after."""
     port = free_port()
     proc = subprocess.Popen(  # the key comes from the environment, as the README recommends
         [sys.executable, "-m", "kvshare", "serve", "--model", str(base), "--adapter", str(adapters["icarus-a"]),
-         "--port", str(port), "--kv-cache-tokens", "4096", "--max-model-len", "256"],
+         "--port", str(port), "--kv-cache-tokens", str(max(4096, max_model_len)),
+         "--max-model-len", str(max_model_len)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "KVSHARE_API_KEY": KEY})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -41,6 +42,18 @@ def server_url(base, adapters):
     yield url
     proc.terminate()
     proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server_url(base, adapters):
+    yield from _serve(base, adapters, 256)
+
+
+@pytest.fixture(scope="module")
+def long_server_url(base, adapters):
+    """A server whose requests may run for thousands of tokens: the tiny model makes 240 in
+    about 0.2 s, as fast as a disconnect is seen, so a short request can finish first."""
+    yield from _serve(base, adapters, 8192)
 
 
 def metric(url: str, name: str) -> float:
@@ -225,19 +238,22 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(server_url):
     assert took > 0.5 and slowest < took / 3, (took, slowest)
 
 
-def test_a_disconnected_non_streaming_request_is_aborted(server_url):
-    """ignore_eos: the request has 240 tokens of work whatever the tiny model's greedy path is,
-    so it cannot finish (unaborted) before the server sees its client leave."""
-    before = metric(server_url, "aborted")
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 240 tokens are made
-        httpx.post(server_url + "/v1/completions", headers=AUTH, timeout=0.1,
-                   json={"model": "icarus-a", "prompt": "A long story:", "max_tokens": 240,
+def test_a_disconnected_non_streaming_request_is_aborted(long_server_url):
+    """ignore_eos: the request has 8,000 tokens of work whatever the tiny model's greedy path is
+    (seconds), so it cannot finish (unaborted) before the server sees its client leave (at most
+    0.1 s after it does)."""
+    url = long_server_url
+    before, finished = metric(url, "aborted"), metric(url, "finished")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 8,000 tokens are made
+        httpx.post(url + "/v1/completions", headers=AUTH, timeout=0.1,
+                   json={"model": "icarus-a", "prompt": "A long story:", "max_tokens": 8000,
                          "temperature": 0, "stream": False, "ignore_eos": True})
     deadline = time.time() + 30
-    while metric(server_url, "aborted") <= before:
+    while metric(url, "aborted") <= before:
         assert time.time() < deadline, "the request kept running after its client left"
+        assert metric(url, "finished") == finished, "the request ran to its end after its client left"
         time.sleep(0.05)
-    wait_idle(server_url)
+    wait_idle(url)
 
 
 def test_the_key_is_required(server_url):
