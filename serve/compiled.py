@@ -44,12 +44,13 @@ from ..kernels.quant import Int4Weight, Int8Weight
 from ..kernels.step_attention import StepAttention, layer_rows
 from ..paths import kvshare_home
 from .adapters import AdapterSet
-from .batch import Batch, StepPlan
-from .config import COMPILE_BUCKETS as BUCKETS, DEFAULT_COMPILE_MAX_ROWS
+from .batch import Batch
+from .config import DEFAULT_COMPILE_MAX_ROWS
 from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
-from .lora_slots import PARTS, LoraSlots, lora_delta
+from .lora_slots import PARTS, lora_delta
 from .model import Model, _rms_norm
+from .step_buckets import BucketedStep
 
 log = logging.getLogger(__name__)
 
@@ -234,26 +235,31 @@ class _Decoder(torch.nn.Module):
         return self._run(tokens, positions, project)
 
 
+def resolve_mode(mode: str) -> str:
+    """``--compile`` as given, or for ``auto`` what ``KVSHARE_COMPILE`` says (the test suite
+    sets it to off, to keep its time)."""
+    if mode not in MODES:
+        raise KvshareError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "auto":
+        mode = os.environ.get("KVSHARE_COMPILE", "auto")
+        if mode not in MODES:
+            raise KvshareError(f"KVSHARE_COMPILE must be one of {', '.join(MODES)}, not {mode!r}")
+    return mode
+
+
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
     """Whether an engine runs the compiled step: ``on`` asks for it (an error where it cannot
     run), ``auto`` takes it on CPU in float32 with the torch linear backend, and in bfloat16
     (torch, int8 or int4 weights) where the CPU has bfloat16 instructions; ``off`` never.
     ``KVSHARE_COMPILE=off`` turns ``auto`` off (the test suite does, to keep its time)."""
-    if mode not in MODES:
-        raise KvshareError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
     linear = kernels.choice["linear"]
+    mode = resolve_mode(mode)
     if mode == "auto":
-        mode = os.environ.get("KVSHARE_COMPILE", "auto")
-        if mode not in MODES:
-            raise KvshareError(f"KVSHARE_COMPILE must be one of {', '.join(MODES)}, not {mode!r}")
-        if mode == "auto":
             return device.type == "cpu" and (
                 (dtype == torch.float32 and linear == "torch")
                 or (dtype == torch.bfloat16 and linear in ("torch", "int8", "int4") and cpu_has_fast_bf16()))
-    if mode != "on":
+    if mode != "on" or device.type != "cpu":  # on a GPU, "on" asks for CUDA graphs (:mod:`.cuda_graphs`)
         return False
-    if device.type != "cpu":
-        raise KvshareError("the compiled step is the CPU path; on a GPU use --kernels triton")
     if linear not in ("torch", "int8", "int4"):
         raise KvshareError(f"the compiled step packs the weights itself; it does not combine with the "
                            f"{linear!r} linear backend")
@@ -262,7 +268,7 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
     return True
 
 
-class CompiledStep:
+class CompiledStep(BucketedStep):
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
     first use in each process (or ahead, by :meth:`warm_up`)."""
 
@@ -280,8 +286,7 @@ class CompiledStep:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 4096)
-        self.model = model
-        self.buckets = tuple(b for b in BUCKETS if b <= max_rows) or (1,)
+        super().__init__(model, max_rows, max_loras, max_lora_rank)
         packed: dict[str, torch.Tensor] = {}
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
@@ -290,47 +295,11 @@ class CompiledStep:
         self._head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
-        self.lora = LoraSlots(model, max_loras, max_lora_rank)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
-        self.steps = 0  # steps run compiled
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
 
-    def bucket(self, rows: int) -> int | None:
-        return next((b for b in self.buckets if b >= rows), None)
-
-    def handles(self, batch: Batch, kv_cache, hidden_capture, adapters: AdapterSet) -> bool:
-        if not (batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
-                and self.bucket(len(batch.tokens)) is not None):
-            return False
-        return self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters)
-
-    def serves_adapters(self, slots: list[int], adapters: AdapterSet) -> bool:
-        """Whether the slot stacks hold every adapter slot in ``slots`` (brought up to date first)."""
-        if not slots:
-            return True
-        if self.lora.sync(adapters):  # new stacks: the graphs with adapters compile again
-            self.traced = {key for key in self.traced if not key[1]}
-        return self.lora.serves(slots)
-
-    def split(self, plans: list[StepPlan], kv_cache, hidden_capture, adapters: AdapterSet) -> list[list[StepPlan]]:
-        """The forwards a step runs as. A step too large for the graph (a prompt chunk beside
-        decoding sequences) runs as two: the few-row plans, up to the largest bucket, through
-        the graph, the rest eager. Otherwise the decode rows would ride in the eager forward,
-        with every adapter's LoRA as separate eager calls. Splitting changes no result: a
-        sequence's rows stay in one forward, and a step's rows read only blocks computed
-        before it or their own sequence's (prefix sharing reuses computed blocks only)."""
-        if (not isinstance(kv_cache, torch.Tensor) or hidden_capture is not None
-                or self.bucket(sum(plan.num_rows for plan in plans)) is not None):
-            return [plans]
-        few, rest, rows = [], [], 0
-        for plan in plans:
-            fits = not plan.seq.forkkv and rows + plan.num_rows <= self.buckets[-1]
-            (few if fits else rest).append(plan)
-            rows += plan.num_rows if fits else 0
-        if not few or not rest or not self.serves_adapters([p.seq.adapter_slot for p in few
-                                                             if p.seq.adapter_slot >= 0], adapters):
-            return [plans]
-        return [few, rest]
+    def forget_adapted(self) -> None:
+        self.traced = {key for key in self.traced if not key[1]}
 
     @torch.no_grad()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -410,7 +379,7 @@ class CompiledStep:
             changed = self.lora.allocate() or changed
             changed = (not self.lora.parts and self.lora.adapt_parts(set(PARTS))) or changed
             if changed:
-                self.traced = {key for key in self.traced if not key[1]}
+                self.forget_adapted()
         device = kv_cache.device
         for size in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias

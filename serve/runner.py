@@ -18,9 +18,11 @@ from .batch import Batch, StepPlan, build_batch
 from .cache.arena import BlockShape
 from .cache.layer_stream import LayerStream
 from .compiled import CompiledStep, compile_wanted
+from .cuda_graphs import GraphedStep, graphs_wanted
 from .config import DEFAULT_COMPILE_MAX_ROWS
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
+from .step_buckets import BucketedStep
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,8 +46,11 @@ class ModelRunner:
                  max_loras: int = 8, max_lora_rank: int = 64):
         self.device = device
         self.model = Model(model_dir, dtype, device, kernels)
-        self.compiled = (CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank)
-                         if compile_wanted(compile_mode, device, dtype, kernels) else None)
+        self.compiled: BucketedStep | None = None  # the graphs that run steps of up to max_step_rows rows
+        if compile_wanted(compile_mode, device, dtype, kernels):
+            self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank)
+        elif graphs_wanted(compile_mode, device, self.model):
+            self.compiled = GraphedStep(self.model, block_size, max_step_rows, max_loras, max_lora_rank)
         self.kernels = kernels
         self.block_size = block_size
         m = self.model

@@ -18,6 +18,8 @@ merges the splits of each row and head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ def _paged_attention_kernel(
     positions_ptr, loc_ptr, tables_ptr,
     stride_qr, stride_qh, stride_or, stride_oh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    stride_table, block_size, scale, num_splits, split_keys,
+    stride_table, block_size, scale, num_splits, min_split_keys,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -61,7 +63,8 @@ def _paged_attention_kernel(
         limit = tl.load(positions_ptr + rows, mask=line_ok, other=-1)
         end = tl.max(limit, axis=0) + 1
         lo = 0
-        if SPLIT:  # this program's share of the keys: [lo, lo + split_keys)
+        if SPLIT:  # this program's share of the tile's keys: [lo, lo + split_keys), maybe none
+            split_keys = tl.maximum(tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N, min_split_keys)
             lo = split * split_keys
             end = tl.minimum(end, lo + split_keys)
         best = tl.full([ROWS * HEADS_PAD], -1.0e30, tl.float32)  # finite: no inf - inf
@@ -116,7 +119,8 @@ def _merge_splits_kernel(part_acc_ptr, part_best_ptr, part_total_ptr, out_ptr, s
     dim_ok = dims < HEAD_DIM
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    total = tl.sum(total * weight, axis=0)  # 0 only on a graph's pad row (no keys): stays finite
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -146,6 +150,43 @@ def key_splits(programs: int, longest: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(target, programs), longest // _MIN_SPLIT_KEYS))
 
 
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """The grid of one paged-attention launch: worked out per call from the step's host-side
+    layout, or fixed once for a CUDA graph that replays it (:mod:`kvshare.serve.cuda_graphs`),
+    where programs past a step's sequences or rows find no rows and return."""
+
+    seqs: int  # programs along the sequences
+    tile_rows: int  # query rows per program (a power of two; times the group's heads >= 16 lines)
+    row_blocks: int  # programs along one sequence's rows
+    splits: int  # parts of each tile's keys (flash decoding), merged by a second kernel
+    min_split_keys: int  # no split is shorter, except the last of a tile
+
+
+def launch_shape(n_q: int, n_kv: int, seqs: int, most_rows: int, longest: int, device: torch.device,
+                 splits: int | None = None) -> AttentionLaunch:
+    """The grid for ``seqs`` sequences of at most ``most_rows`` rows and ``longest`` keys.
+    ``splits`` given: that many even parts (at least one key tile each); else chosen from the
+    grid's size and the GPU's (:func:`key_splits`; 1 in Triton's interpreter)."""
+    heads_pad = triton.next_power_of_2(n_q // n_kv)
+    tile_rows = max(1, min(triton.next_power_of_2(most_rows), _TILE_LINES // heads_pad))
+    tile_rows = max(tile_rows, 16 // heads_pad)  # tl.dot wants at least 16 lines
+    row_blocks = triton.cdiv(most_rows, tile_rows)
+    if splits is not None:
+        return AttentionLaunch(seqs, tile_rows, row_blocks, max(1, splits), _BLOCK_N)
+    splits = 1 if INTERPRETED else key_splits(seqs * row_blocks * n_kv, longest, device)
+    return AttentionLaunch(seqs, tile_rows, row_blocks, splits, _MIN_SPLIT_KEYS)
+
+
+def split_partials(rows: int, n_q: int, d: int, launch: AttentionLaunch,
+                   device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """Scratch for the splits' partial outputs, running maxima and sums (None: no split)."""
+    if launch.splits == 1:
+        return None
+    best = torch.empty(rows, n_q, launch.splits, dtype=torch.float32, device=device)
+    return torch.empty(rows, n_q, launch.splits, d, dtype=torch.float32, device=device), best, torch.empty_like(best)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, splits: int | None = None) -> torch.Tensor:
     """Causal GQA attention of query rows (rows, q_heads, d) over their sequences' paged K/V.
@@ -161,43 +202,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if rows == 0 or not meta.seq_bounds:
         return out
+    most_rows = max(end - start for start, end in meta.seq_bounds)  # host-side: no device read
+    launch = launch_shape(n_q, n_kv, len(meta.seq_bounds), most_rows, max(meta.seq_context), q.device, splits)
+    launch_paged_attention(out, split_partials(rows, n_q, d, launch, q.device), q, k_cache, v_cache,
+                           meta.positions, meta.query_start_loc, meta.block_tables, meta.block_size, scale, launch)
+    return out
+
+
+def launch_paged_attention(out: torch.Tensor, partials: tuple[torch.Tensor, ...] | None, q: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                           query_start_loc: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                           scale: float, launch: AttentionLaunch) -> None:
+    """Attention of ``q`` into ``out`` (same shape) with the grid ``launch``; ``partials`` from
+    :func:`split_partials`. Reads nothing from the device on the host, so a CUDA graph can
+    capture it."""
+    rows, n_q, d = q.shape
+    n_kv = k_cache.shape[2]
     q = inner_contiguous(q)
     k_cache, v_cache = inner_contiguous(k_cache), inner_contiguous(v_cache)
     group = n_q // n_kv
-    heads_pad = triton.next_power_of_2(group)
-    most_rows = max(end - start for start, end in meta.seq_bounds)  # host-side: no device read
-    tile_rows = max(1, min(triton.next_power_of_2(most_rows), _TILE_LINES // heads_pad))
-    tile_rows = max(tile_rows, 16 // heads_pad)  # tl.dot wants at least 16 lines
-    row_blocks = triton.cdiv(most_rows, tile_rows)
-    longest = max(meta.seq_context)
-    if splits is None:
-        splits = 1 if INTERPRETED else key_splits(len(meta.seq_bounds) * row_blocks * n_kv, longest, q.device)
-    split_keys = triton.cdiv(triton.cdiv(longest, splits), _BLOCK_N) * _BLOCK_N
-    splits = triton.cdiv(longest, split_keys)  # no split left without keys
     dim_pad = max(16, triton.next_power_of_2(d))
-    if splits > 1:
-        part_acc = torch.empty(rows, n_q, splits, d, dtype=torch.float32, device=q.device)
-        part_best = torch.empty(rows, n_q, splits, dtype=torch.float32, device=q.device)
-        part_total = torch.empty_like(part_best)
-    else:
-        part_acc = part_best = part_total = out  # unused
-    tables = meta.block_tables
-    grid = (len(meta.seq_bounds), row_blocks, n_kv * splits)
+    splits = launch.splits
+    part_acc, part_best, part_total = partials if splits > 1 else (out, out, out)  # unused without splits
+    grid = (launch.seqs, launch.row_blocks, n_kv * splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_best, part_total,
-        meta.positions, meta.query_start_loc, tables,
+        positions, query_start_loc, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        tables.stride(0), meta.block_size, scale, splits, split_keys,
-        GROUP=group, HEADS_PAD=heads_pad, ROWS=tile_rows, SPLIT=splits > 1, HEAD_DIM=d,
-        DIM_PAD=dim_pad, BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
+        block_tables.stride(0), block_size, scale, splits, launch.min_split_keys,
+        GROUP=group, HEADS_PAD=triton.next_power_of_2(group), ROWS=launch.tile_rows, SPLIT=splits > 1,
+        HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
     )
     if splits > 1:
         _merge_splits_kernel[(rows, n_q)](part_acc, part_best, part_total, out, out.stride(0), out.stride(1),
                                           splits, HEAD_DIM=d, DIM_PAD=dim_pad,
                                           SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
-    return out
 
 
 @triton.jit

@@ -1,0 +1,122 @@
+"""The CUDA-graph step's code on CPU: :class:`GraphedStep` with ``capture=False`` runs exactly
+what a graph records (static buffers, padded rows and sequences, a fixed attention grid, slot
+stacks) through the Triton kernels in Triton's interpreter, and must give the eager engine's
+tokens for every adapter kind, never write KV from a pad row, and survive buffers left from a
+larger step. Recording and replay themselves need a GPU (``results/engine-gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.errors import KvshareError
+from kvshare.kernels import Kernels
+from kvshare.serve import LLM, SamplingParams
+from kvshare.serve.cuda_graphs import GraphedStep, graphs_wanted
+from kvshare.serve.model import Model
+
+from test_compiled_step import _chunk_beside_decoding, _generate
+from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in; a GPU records real graphs")
+
+SETTINGS = dict(kv_cache_tokens=1024, block_size=4, kernels="triton", compile="off")
+
+
+def _graphed(llm: LLM) -> GraphedStep:
+    runner = llm.engine.runner
+    runner.compiled = GraphedStep(runner.model, llm.engine.config.block_size, 16, capture=False)
+    return runner.compiled
+
+
+@pytest.fixture(scope="module")
+def engines(base, adapters):
+    graphed = LLM(base, list(adapters.values()), **SETTINGS)
+    _graphed(graphed)
+    return graphed, LLM(base, list(adapters.values()), **SETTINGS)
+
+
+def test_a_mixed_step_of_every_kind_gives_the_eager_tokens(engines, tokenizer, invocation):
+    """Base, LoRA, ICaRus (a pair of rows) and aLoRA decode side by side in the 8-row bucket;
+    requests end at different steps, so later steps run smaller buckets over buffers that still
+    hold the larger steps' rows."""
+    graphed, eager = engines
+    prompts = prompts_for(tokenizer, 3)
+    prompts.append(prompts[0] + invocation)
+    names = [None, "lora-a", "icarus-a", "alora-a"]
+    step = graphed.engine.runner.compiled
+    before = step.steps
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 3, 6, 5)]
+    outputs = []
+    for llm in (graphed, eager):
+        engine, done = llm.engine, {}
+        ids = [engine.add_request(p, s, adapter=n) for p, s, n in zip(prompts, params, names)]
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert all(done[i].finish_reason == "length" for i in ids)
+        outputs.append([done[i].token_ids for i in ids])
+    assert outputs[0] == outputs[1]
+    assert step.steps - before >= 8  # the decode steps ran through the graph code
+    assert {(8, True, 2), (4, True, 2), (1, False, 1)} <= set(step.graphs)  # ICaRus pairs: 2 rows a sequence
+
+
+def test_pad_rows_never_write_the_cache(engines, tokenizer):
+    """Three decode rows run in the 4-row bucket; only the three real rows' slots change."""
+    graphed, _ = engines
+    engine = graphed.engine
+    engine.reset_prefix_cache()
+    kv = engine.runner.kv_cache
+    for p in [p[:7] for p in prompts_for(tokenizer, 3)]:
+        engine.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompts (21 rows: eager)
+    step = engine.runner.compiled
+    step.warm_up(kv, (4,))  # the bucket's graph exists: the step below only fills the buffers
+    step.slots.fill_(0)  # what an earlier, larger step may have left: a live slot in the pad row
+    step.tokens.fill_(5)
+    step.loc.fill_(len(step.tokens))  # pad sequences over the pad rows and past the 4-row bucket
+    before, steps = kv.clone(), step.steps
+    engine.step()  # 3 decode rows, padded to 4
+    assert step.steps == steps + 1
+    assert step.slots[3].item() == -1 and step.loc[4].item() == 3  # pad row: no slot; pad sequence: no rows
+    bs = engine.config.block_size
+    changed = (kv != before).permute(0, 3, 1, 2, 4, 5).flatten(2).any(-1)  # (blocks, offsets)
+    written = {seq.block_table[7 // bs] * bs + 7 % bs for seq in engine._scheduler.running}  # position 7
+    assert {b * bs + o for b, o in changed.nonzero().tolist()} == written and len(written) == 3
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, tokenizer):
+    """The decode rows of a step with a 40-row prompt chunk go through the graph, the chunk
+    eager; the tokens are the eager engine's."""
+    graphed, eager = engines
+    rows, in_step, in_run, tokens = _chunk_beside_decoding(graphed, tokenizer)
+    assert rows == [4, 40] and in_step == 1 and in_run >= 6
+    assert tokens == _chunk_beside_decoding(eager, tokenizer)[3]
+
+
+def test_block_tables_past_the_buffer_widen_it(base, tokenizer):
+    """A context of more blocks than the table buffer holds (64 columns of 4 tokens) widens it
+    and records the graphs again; the tokens stay the eager engine's."""
+    graphed, eager = LLM(base, **SETTINGS), LLM(base, **SETTINGS)
+    step = _graphed(graphed)
+    prompt = (sum(prompts_for(tokenizer, 3), []) * 20)[:300]  # 75 blocks
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    got, want = (_generate(llm, [prompt], [None], params) for llm in (graphed, eager))
+    assert got[0].token_ids == want[0].token_ids
+    assert step.tables.shape[1] == 128 and step.steps >= 2
+
+
+def test_when_it_is_chosen(base, monkeypatch):
+    """On a GPU, with the Triton attention kernels and plain projections; never on CPU."""
+    monkeypatch.delenv("KVSHARE_COMPILE", raising=False)
+    cuda = torch.device("cuda")
+    triton_model, torch_model = Model(base, kernels=Kernels("triton")), Model(base)
+    assert graphs_wanted("auto", cuda, triton_model) and graphs_wanted("on", cuda, triton_model)
+    assert not graphs_wanted("off", cuda, triton_model)
+    assert not graphs_wanted("on", torch.device("cpu"), triton_model)
+    assert not graphs_wanted("auto", cuda, torch_model)
+    with pytest.raises(KvshareError, match="--kernels triton"):
+        graphs_wanted("on", cuda, torch_model)
+    monkeypatch.setenv("KVSHARE_COMPILE", "off")
+    assert not graphs_wanted("auto", cuda, triton_model)
