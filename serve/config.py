@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "batch bucket compiles on first use, about a minute, and later processes on the same weights load it from "
                    "the cache); auto: on CPU in "
                    "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
-                   "bfloat16 instructions (default auto)")
+                   "bfloat16 instructions; on a GPU with --kernels triton, decode steps replay from CUDA graphs "
+                   "(default auto)")
     g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=DEFAULT_COMPILE_MAX_ROWS,
                    help="the compiled step's largest batch bucket (default 16: decode steps); 32-128 also "
                    "compile short prompt chunks with the decode rows beside them, one more graph each")
