@@ -1,10 +1,13 @@
-"""The CUDA-graph step's code on CPU: :class:`GraphedStep` with ``capture=False`` runs exactly
-what a graph records (static buffers, padded rows and sequences, a fixed attention grid, slot
-stacks) through the Triton kernels in Triton's interpreter, and must give the eager engine's
-tokens for every adapter kind, never write KV from a pad row, and survive buffers left from a
-larger step. Recording and replay themselves need a GPU (``results/engine-gpu``)."""
+"""The CUDA-graph step against the eager engine: the same tokens for every adapter kind, no KV
+written from a pad row, buffers left from a larger step harmless. On CPU :class:`GraphedStep`
+runs with ``capture=False``: exactly what a graph records (static buffers, padded rows and
+sequences, a fixed attention grid, slot stacks), through the Triton kernels in Triton's
+interpreter. With ``KVSHARE_TEST_DEVICE=cuda`` on a GPU the engines run there and the graphs
+are recorded and replayed for real (``results/engine-gpu/scripts/graphs.sh``)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,14 +21,16 @@ from kvshare.serve.model import Model
 from test_compiled_step import _chunk_beside_decoding, _generate
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in; a GPU records real graphs")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("KVSHARE_TEST_DEVICE") != "cuda",
+                                reason="on a GPU machine these run with KVSHARE_TEST_DEVICE=cuda")
 
 SETTINGS = dict(kv_cache_tokens=1024, block_size=4, kernels="triton", compile="off")
 
 
 def _graphed(llm: LLM) -> GraphedStep:
     runner = llm.engine.runner
-    runner.compiled = GraphedStep(runner.model, llm.engine.config.block_size, 16, capture=False)
+    runner.compiled = GraphedStep(runner.model, llm.engine.config.block_size, 16,
+                                  capture=runner.device.type == "cuda")
     return runner.compiled
 
 
