@@ -83,9 +83,15 @@ def test_pad_rows_never_write_the_cache(engines, tokenizer):
     steps = engine.runner.compiled.steps
     engine.step()  # 3 decode rows: compiled, padded to 4
     assert engine.runner.compiled.steps == steps + 1
+    assert_only_running_sequences_wrote(engine, before, 7)
+
+
+def assert_only_running_sequences_wrote(engine, before: torch.Tensor, position: int) -> None:
+    """Since ``before`` (a copy of the KV memory) only the slots of the three running sequences'
+    ``position`` changed; then the engine runs to its end."""
     bs = engine.config.block_size
-    changed = (kv != before).permute(0, 3, 1, 2, 4, 5).flatten(2).any(-1)  # (blocks, offsets)
-    written = {seq.block_table[7 // bs] * bs + 7 % bs for seq in engine._scheduler.running}  # position 7
+    changed = (engine.runner.kv_cache != before).permute(0, 3, 1, 2, 4, 5).flatten(2).any(-1)  # (blocks, offsets)
+    written = {seq.block_table[position // bs] * bs + position % bs for seq in engine._scheduler.running}
     assert {b * bs + o for b, o in changed.nonzero().tolist()} == written and len(written) == 3
     while engine.has_unfinished():
         engine.step()

@@ -18,7 +18,7 @@ from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.cuda_graphs import GraphedStep, graphs_wanted
 from kvshare.serve.model import Model
 
-from test_compiled_step import _chunk_beside_decoding, _generate
+from test_compiled_step import _chunk_beside_decoding, _generate, assert_only_running_sequences_wrote
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("KVSHARE_TEST_DEVICE") != "cuda",
@@ -83,12 +83,7 @@ def test_pad_rows_never_write_the_cache(engines, tokenizer):
     engine.step()  # 3 decode rows, padded to 4
     assert step.steps == steps + 1
     assert step.slots[3].item() == -1 and step.loc[4].item() == 3  # pad row: no slot; pad sequence: no rows
-    bs = engine.config.block_size
-    changed = (kv != before).permute(0, 3, 1, 2, 4, 5).flatten(2).any(-1)  # (blocks, offsets)
-    written = {seq.block_table[7 // bs] * bs + 7 % bs for seq in engine._scheduler.running}  # position 7
-    assert {b * bs + o for b, o in changed.nonzero().tolist()} == written and len(written) == 3
-    while engine.has_unfinished():
-        engine.step()
+    assert_only_running_sequences_wrote(engine, before, 7)
 
 
 def test_a_prompt_chunk_beside_decoding_sequences_runs_apart_from_them(engines, tokenizer):
