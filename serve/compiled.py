@@ -255,9 +255,9 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
     linear = kernels.choice["linear"]
     mode = resolve_mode(mode)
     if mode == "auto":
-            return device.type == "cpu" and (
-                (dtype == torch.float32 and linear == "torch")
-                or (dtype == torch.bfloat16 and linear in ("torch", "int8", "int4") and cpu_has_fast_bf16()))
+        return device.type == "cpu" and (
+            (dtype == torch.float32 and linear == "torch")
+            or (dtype == torch.bfloat16 and linear in ("torch", "int8", "int4") and cpu_has_fast_bf16()))
     if mode != "on" or device.type != "cpu":  # on a GPU, "on" asks for CUDA graphs (:mod:`.cuda_graphs`)
         return False
     if linear not in ("torch", "int8", "int4"):
