@@ -38,6 +38,7 @@ class EngineConfig:
     host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
     prefetch_steps: int = 0  # load back the fixed prompts of agents due within this many steps
+    workflow_admission: bool = False  # hold new workflows' calls while the running ones' contexts fill the pool
     kv_layout: str = "exact"  # lora adapters' KV: exact (private) | forkkv (shared base part + rank-r residual)
     forkkv_max_rank: int = 16  # the ForkKV residual pool's width: the largest adapter rank it serves
     forkkv_residual_tokens: int | None = None  # residual pool capacity (default: 4x the KV pool's tokens)
@@ -114,6 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    help="simulated host<->device copy rate on CPU, GB/s (default 25: about PCIe 4.0 x16)")
     g.add_argument("--prefetch-steps", type=int, default=0,
                    help="load back the fixed prompts of agents due within this many steps (default 0: off)")
+    g.add_argument("--workflow-admission", action="store_true",
+                   help="hold the first call of a new workflow (kvshare_hints.workflow_id) while the contexts of the "
+                   "workflows already running fill the KV pool, so they keep their cached context between turns")
     g.add_argument("--kv-layout", choices=["exact", "forkkv", "full_reuse"], default="exact",
                    help="KV of lora adapters: exact (private, default), forkkv (ForkKV: base part shared "
                    "among lora agents, rank-r residual private; approximate, saves memory) or full_reuse "
@@ -131,7 +135,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_loras=args.max_loras,
                         max_lora_rank=args.max_lora_rank, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
-                        prefetch_steps=args.prefetch_steps, kv_layout=args.kv_layout,
+                        prefetch_steps=args.prefetch_steps, workflow_admission=args.workflow_admission,
+                        kv_layout=args.kv_layout,
                         forkkv_max_rank=args.forkkv_max_rank, forkkv_residual_tokens=args.forkkv_residual_tokens)
 
 

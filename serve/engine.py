@@ -32,6 +32,7 @@ from .cache.arena import KVArena
 from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
+from .admission import WorkflowAdmission
 from .hints import AgentHints
 from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
@@ -78,8 +79,10 @@ class LLMEngine:
                                     policy=make_policy(config.eviction_policy), agents=self._agents,
                                     host_tier=tier)
         compiled = self.runner.compiled
+        admission = (WorkflowAdmission(self._agents, self.runner.num_blocks, config.block_size)
+                     if config.workflow_admission else None)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                    compiled.buckets if compiled is not None else ())
+                                    compiled.buckets if compiled is not None else (), admission)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
         self._adapters.default_kv_layout = config.kv_layout
         if config.kv_layout == "forkkv":
@@ -430,9 +433,17 @@ class LLMEngine:
             **{f"prefix_hit_tokens_{kind}": n for kind, n in cache.hit_tokens_by_kind.items()},
             "evictions": cache.evictions,
             **self.forkkv_stats(),
-            "preemptions": self._scheduler.preemptions, **self.host_tier_stats(),
+            "preemptions": self._scheduler.preemptions, **self.host_tier_stats(), **self.admission_stats(),
             "waiting": self.num_waiting(), "running": self.num_running(),
         }
+
+    def admission_stats(self) -> dict:
+        """Workflows admitted and live now, and the calls of new ones held back (nothing without
+        workflow admission)."""
+        admission = self._scheduler.admission
+        if admission is None:
+            return {}
+        return {"workflows_admitted": len(admission.admitted), "admission_holds": admission.held}
 
     def forkkv_stats(self) -> dict:
         """The ForkKV residual pool's hits and evictions (nothing without the pool)."""

@@ -6,7 +6,9 @@ step's token budget is spent, then admits waiting sequences in arrival order (a 
 back from the host tier is skipped, not waited for). When the KV
 pool cannot hold a sequence's next token, the newest running sequence is preempted: its
 blocks are released and it waits at the front of the queue to be recomputed, so no one
-starves and outputs are unchanged.
+starves and outputs are unchanged. With workflow admission (:mod:`.admission`) a call of a
+workflow not yet running waits while the running workflows' contexts fill the pool, and the
+calls behind it may go first.
 
 The scheduler owns the sequence lifecycle, as in nano-vllm: admission, chunking and
 preemption here, and after the model ran, :meth:`Scheduler.postprocess` advances computed
@@ -24,6 +26,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from .admission import WorkflowAdmission
 from .batch import StepPlan, plan_step
 from .cache import BlockManager, OutOfBlocks, PrefixLoading, PrefixPending
 from .sequence import Sequence, Status
@@ -34,8 +37,9 @@ FILL_FROM = 32  # the smallest bucket a prompt chunk is cut back to (_fill_bucke
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_seqs: int,
-                 row_buckets: tuple[int, ...] = ()):
+                 row_buckets: tuple[int, ...] = (), admission: WorkflowAdmission | None = None):
         self.blocks = blocks
+        self.admission = admission  # holds new workflows' calls while the pool is full of running ones
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         self.row_buckets = row_buckets  # the compiled step's padded sizes (none: eager steps)
@@ -141,6 +145,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
+            if self.admission is not None and not self.admission.allows(seq):
+                continue  # a new workflow's call: the calls of workflows already admitted go first
             try:
                 self.blocks.allocate(seq)
             except PrefixLoading:
@@ -206,4 +212,6 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        if self.admission is not None:
+            self.admission.finished(seq)
         self.remove(seq)

@@ -1,0 +1,100 @@
+"""Workflow admission (``workflow_admission=True``): a new workflow's call waits while the
+running workflows' contexts fill the pool, admitted workflows' calls go first, and it changes
+the order of work only, never a token."""
+
+from __future__ import annotations
+
+from kvshare.serve import LLMEngine, SamplingParams
+
+from test_engine import base, prompts_for, tokenizer  # noqa: F401
+
+# 64 blocks of 4 tokens: two workflows of 100-token contexts fit (26 blocks each), three do not
+SETTINGS = dict(kv_cache_tokens=256, block_size=4, compile="off")
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _context(tokenizer, i: int) -> list[int]:
+    return (sum(prompts_for(tokenizer, 3), []) * 4)[i: i + 100]
+
+
+def _hints(workflow: str, agent: str, next_agent: str | None) -> dict:
+    """The agent's call; ``next_agent`` is due next (None: the workflow's last call)."""
+    return {"workflow_id": workflow, "agent_id": agent,
+            "steps_to_execution": {next_agent: 1} if next_agent else {}}
+
+
+def _run(engine: LLMEngine, until=None) -> dict:
+    """Step until ``until(done)`` (default: nothing left); the finished calls' tokens by id."""
+    done = {}
+    for _ in range(500):  # a held call that is never admitted fails here instead of hanging
+        if (until(done) if until else not engine.has_unfinished()):
+            return done
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    raise AssertionError("the engine did not get there in 500 steps")
+
+
+def test_a_third_workflow_waits_until_one_of_two_ends(base, tokenizer):
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    first = {w: engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+             for i, w in enumerate(["w0", "w1", "w2"])}
+    engine.step()
+    waiting = lambda: {seq.request_id for seq in engine._scheduler.waiting}  # noqa: E731
+    assert waiting() == {first["w2"]}  # the pool holds two contexts: the third workflow waits
+    done = _run(engine, lambda done: first["w0"] in done and first["w1"] in done)
+    engine.step()
+    assert waiting() == {first["w2"]}  # w0 and w1 are still live: agent b is due next
+    last = [engine.add_request(_context(tokenizer, i) + done[first[w]], PARAMS, hints=_hints(w, "b", None))
+            for i, w in enumerate(["w0", "w1"])]
+    done = _run(engine, lambda done: set(last) <= set(done))
+    assert first["w2"] not in done  # held until a workflow ended
+    _run(engine)
+    stats = engine.stats()
+    assert stats["admission_holds"] >= 2 and stats["workflows_admitted"] == 1  # w2, live: agent b is due
+
+
+def test_admitted_workflows_calls_overtake_a_held_one(base, tokenizer):
+    """A held new workflow does not block the next calls of the admitted ones behind it."""
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    first = {w: engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+             for i, w in enumerate(["w0", "w1"])}
+    done = _run(engine)
+    held = engine.add_request(_context(tokenizer, 2), PARAMS, hints=_hints("w2", "a", "b"))
+    follow = engine.add_request(_context(tokenizer, 0) + done[first["w0"]], PARAMS, hints=_hints("w0", "b", "a"))
+    engine.step()
+    running = {s.request_id for s in engine._scheduler.running}
+    assert follow in running and held not in running
+
+
+def test_calls_without_a_workflow_are_never_held(base, tokenizer):
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    for i, w in enumerate(["w0", "w1"]):
+        engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+    anonymous = engine.add_request(_context(tokenizer, 2)[:20], PARAMS)
+    engine.step()
+    assert anonymous in {s.request_id for s in engine._scheduler.running}
+
+
+def test_a_workflow_gone_idle_frees_its_place(base, tokenizer):
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    for i, w in enumerate(["w0", "w1"]):
+        engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+    _run(engine)  # both stay live: agent b is due, but never calls
+    held = engine.add_request(_context(tokenizer, 2), PARAMS, hints=_hints("w2", "a", "b"))
+    engine.step()
+    assert held in {s.request_id for s in engine._scheduler.waiting}
+    engine._scheduler.admission.idle_s = 0.0
+    engine.step()
+    assert held not in {s.request_id for s in engine._scheduler.waiting}
+
+
+def test_admission_changes_no_token(base, tokenizer):
+    """Four one-call workflows: two run, then the other two; the same greedy tokens as without
+    admission (all four at once)."""
+    outputs = []
+    for admission in (True, False):
+        engine = LLMEngine(base, workflow_admission=admission, **SETTINGS)
+        ids = [engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(f"w{i}", "a", None)) for i in range(4)]
+        done = _run(engine)
+        outputs.append([done[i] for i in ids])
+        assert not admission or engine.stats()["admission_holds"] >= 1
+    assert outputs[0] == outputs[1]
