@@ -107,7 +107,7 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out,
         kernels=args.kernels, compile_max_rows=args.compile_max_rows,
-        max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_batched_tokens=args.max_num_batched_tokens, workflow_admission=args.workflow_admission)
     print(markdown(results))
     return 0
 
@@ -308,6 +308,9 @@ def register(sub) -> None:
     p.add_argument("--tool-delay", type=float, default=0.0, help="simulated tool latency, seconds")
     p.add_argument("--observation-tokens", type=int, default=32)
     p.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: 8 workflow contexts)")
+    p.add_argument("--workflow-admission", action="store_true",
+                   help="the kvshare engines hold new workflows' first calls while the running ones' contexts "
+                   "fill the pool (see kvshare serve --help)")
     p.set_defaults(func=_cmd_bench_workflow)
 
     p = bsub.add_parser("forkkv", help="ForkKV: KV bytes per agent, agents per pool, workflows vs lora/icarus",

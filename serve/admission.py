@@ -10,22 +10,20 @@ results/workflow-e2e/session22/w32): at 1 workflow/s the prefix hit rate fell fr
 requests, not workflows); KVFlow's step graph (:mod:`.hints`) says which workflows still have
 calls ahead.
 
-A workflow is *live* while one of its agents has a call running or a next call in its hints
-(``steps_to_execution``), and it has been seen in the last ``idle_s`` seconds (a client that
-went away without finishing). Its *footprint* is the distinct KV blocks of its agents' last
-calls (a shared ICaRus context counts once, private LoRA copies once each), or, before any call
-has finished, the blocks its first call needs. A call of an unknown workflow is admitted when
-the live workflows' footprints and its own need fit the pool, or when no workflow is live;
-calls without a workflow id are never held.
+A workflow is *live* while one of its calls is in the engine, or its last finished call's
+hints named a next call (``steps_to_execution`` not empty), unless it has not been seen for
+``idle_s`` seconds (a client that went away between calls). Its *footprint* is the distinct KV
+blocks of its agents' last calls (a shared ICaRus context counts once, private LoRA copies once
+each), or, before any call has finished, the blocks its first call needs. A call of a workflow
+not live is admitted when the live workflows' footprints and its own need fit the pool, or when
+no workflow is live; calls without a workflow id are never held.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
-from .cache.agents import AgentTable
 from .sequence import Sequence
 
 IDLE_S = 120.0  # a live workflow unseen this long is taken as gone
@@ -33,7 +31,10 @@ IDLE_S = 120.0  # a live workflow unseen this long is taken as gone
 
 @dataclass
 class _Workflow:
-    first_need: int  # blocks its first call needed (its footprint until a call finishes)
+    in_flight: int = 0  # its calls in the engine (waiting or running)
+    due: bool = False  # its last finished call named a next call
+    admitted: bool = False
+    first_need: int = 0  # blocks its first call needed (its footprint until a call finishes)
     blocks: dict[str, frozenset[int]] = field(default_factory=dict)  # agent -> blocks of its last call
     seen: float = field(default_factory=time.monotonic)
 
@@ -44,39 +45,55 @@ class _Workflow:
 
 
 class WorkflowAdmission:
-    def __init__(self, agents: AgentTable, capacity_blocks: int, block_size: int, idle_s: float = IDLE_S):
-        self.agents, self.capacity, self.block_size, self.idle_s = agents, capacity_blocks, block_size, idle_s
-        self.admitted: dict[str, _Workflow] = {}
-        self.held = 0  # calls held back so far (a new workflow's call, once per step it waited)
+    def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = IDLE_S):
+        self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
+        self.workflows: dict[str, _Workflow] = {}
+        self.held = 0  # times a call was held back (once per step it waited)
+
+    def arrived(self, seq: Sequence) -> None:
+        workflow = self._state(seq)
+        if workflow is not None:
+            workflow.in_flight += 1
 
     def allows(self, seq: Sequence) -> bool:
-        """Whether ``seq`` may be admitted now (admitting its workflow if it is new)."""
-        workflow = seq.hints.workflow_id
-        if workflow is None:
-            return True
-        known = self.admitted.get(workflow)
-        if known is not None:
-            known.seen = time.monotonic()
+        """Whether ``seq`` may be admitted now (admitting its workflow if it is not yet)."""
+        workflow = self._state(seq)
+        if workflow is None or workflow.admitted:
             return True
         self._forget_ended()
+        admitted = [w for w in self.workflows.values() if w.admitted]
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)
-        if self.admitted and sum(w.footprint() for w in self.admitted.values()) + need > self.capacity:
+        if admitted and sum(w.footprint() for w in admitted) + need > self.capacity:
             self.held += 1
             return False
-        self.admitted[workflow] = _Workflow(need)
+        workflow.admitted, workflow.first_need = True, need
         return True
 
     def finished(self, seq: Sequence) -> None:
-        """A call ended with these blocks: its agent's share of its workflow's footprint."""
-        known = self.admitted.get(seq.hints.workflow_id) if seq.hints.workflow_id is not None else None
-        if known is not None:
-            known.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
-            known.seen = time.monotonic()
+        """A call ended (or was aborted) holding these blocks: its agent's share of its workflow's
+        footprint; whether it named a next call decides if the workflow stays live."""
+        workflow = self._state(seq)
+        if workflow is None:
+            return
+        workflow.in_flight -= 1
+        workflow.due = bool(seq.hints.steps_to_execution)
+        if workflow.admitted and seq.block_table:
+            workflow.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
+
+    @property
+    def admitted(self) -> int:
+        return sum(w.admitted for w in self.workflows.values())
+
+    def _state(self, seq: Sequence) -> _Workflow | None:
+        name = seq.hints.workflow_id
+        if name is None:
+            return None
+        workflow = self.workflows.setdefault(name, _Workflow())
+        workflow.seen = time.monotonic()
+        return workflow
 
     def _forget_ended(self) -> None:
-        live = {key[0] for key in self.agents.running}
-        live |= {key[0] for key in self.agents.steps if self.agents.steps_of(key) < math.inf}
         now = time.monotonic()
-        for workflow in [w for w, state in self.admitted.items()
-                         if w not in live or now - state.seen > self.idle_s]:
-            del self.admitted[workflow]
+        for name in [name for name, w in self.workflows.items()
+                     if (not w.in_flight and not w.due) or (not w.in_flight and now - w.seen > self.idle_s)]:
+            del self.workflows[name]

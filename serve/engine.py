@@ -79,7 +79,7 @@ class LLMEngine:
                                     policy=make_policy(config.eviction_policy), agents=self._agents,
                                     host_tier=tier)
         compiled = self.runner.compiled
-        admission = (WorkflowAdmission(self._agents, self.runner.num_blocks, config.block_size)
+        admission = (WorkflowAdmission(self.runner.num_blocks, config.block_size)
                      if config.workflow_admission else None)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                     compiled.buckets if compiled is not None else (), admission)
@@ -443,7 +443,7 @@ class LLMEngine:
         admission = self._scheduler.admission
         if admission is None:
             return {}
-        return {"workflows_admitted": len(admission.admitted), "admission_holds": admission.held}
+        return {"workflows_admitted": admission.admitted, "admission_holds": admission.held}
 
     def forkkv_stats(self) -> dict:
         """The ForkKV residual pool's hits and evictions (nothing without the pool)."""

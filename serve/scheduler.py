@@ -49,6 +49,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.admission is not None:
+            self.admission.arrived(seq)
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:

@@ -133,6 +133,18 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_workflow_benchmark_with_workflow_admission_finishes_every_call(tiny_models):
+    """Four workflows arriving at once into a pool that holds three first calls:
+    later ones are held until earlier ones end, and every call still runs."""
+    from kvshare.eval.perf.workflow import run_workflow_bench
+
+    results = run_workflow_bench(model=str(tiny_models("llama")), agents=(2,), qps=(1000.0,), modes=("icarus",),
+                                 workflows=4, turns=3, context_tokens=64, max_tokens=4, kv_cache_tokens=288,
+                                 workflow_admission=True)
+    [point] = results["points"]
+    assert results["workflow_admission"] and point["calls"] == 12 and point["admission_holds"] >= 1
+
+
 def test_alora_benchmark_runs_and_alora_evaluators_reuse_the_base_kv(tiny_models, tmp_path):
     from kvshare.eval.perf.alora import run_alora_bench
 

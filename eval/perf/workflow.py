@@ -155,7 +155,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
                        peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS,
-                       max_num_batched_tokens: int = 1024) -> dict:
+                       max_num_batched_tokens: int = 1024, workflow_admission: bool = False) -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
     model_dir = setup(model, threads)
@@ -170,7 +170,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
         for mode in modes:
             for n in agents:
                 engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, kernels=kernels,
-                                   compile_max_rows=compile_max_rows,
+                                   compile_max_rows=compile_max_rows, workflow_admission=workflow_admission,
                                    **_pool_settings(mode, n, model_dir, kv_cache_tokens))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
                 team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
@@ -191,8 +191,10 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     runner = AsyncEngine(engine, max_waiting=10_000)
                     backend = EngineBackend(runner)
                 for rate in qps:
+                    holds = 0
                     if runner is not None:
                         engine.reset_prefix_cache()  # also zeroes the hit and eviction counters
+                        holds = engine.stats().get("admission_holds", 0)
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
                         engine=engine if runner else None))
@@ -201,6 +203,8 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                                          stats.get("evictions"), peak if runner else None))
                     if runner is not None:  # the compiled CPU step or the eager one
                         points[-1]["compiled"] = engine.runner.compiled is not None
+                        if workflow_admission:  # steps a new workflow's call was held, summed over calls
+                            points[-1]["admission_holds"] = stats["admission_holds"] - holds
                     bar.update()
                 if runner is not None:
                     runner.shutdown()
@@ -208,7 +212,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 release_compiled_graphs()
     bar.close()
     results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
-               "max_num_batched_tokens": max_num_batched_tokens,
+               "max_num_batched_tokens": max_num_batched_tokens, "workflow_admission": workflow_admission,
                "threads": threads,
                "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
