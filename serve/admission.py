@@ -14,19 +14,24 @@ A workflow is *live* while one of its calls is in the engine, or its last finish
 hints named a next call (``steps_to_execution`` not empty), unless it has not been seen for
 ``idle_s`` seconds (a client that went away between calls). Its *footprint* is the distinct KV
 blocks of its agents' last calls (a shared ICaRus context counts once, private LoRA copies once
-each), or, before any call has finished, the blocks its first call needs. A call of a workflow
-not live is admitted when the live workflows' footprints and its own need fit the pool, or when
-no workflow is live; calls without a workflow id are never held.
+each), or, before any call has finished, the blocks its first call needs. A workflow's context
+grows with its turns, so each live workflow, and the one asking, is counted at no less than
+the mean final footprint of the last workflows that ended (an application's workflows look
+alike; without that floor, workflows admitted on their first call's footprint outgrew the
+pool together). A call of a workflow not live is admitted when those estimates fit the pool,
+or when no workflow is live; calls without a workflow id are never held.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
 
 IDLE_S = 120.0  # a live workflow unseen this long is taken as gone
+RECENT = 32  # ended workflows whose final footprints make the estimate for the live ones
 
 
 @dataclass
@@ -48,6 +53,7 @@ class WorkflowAdmission:
     def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = IDLE_S):
         self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
         self.workflows: dict[str, _Workflow] = {}
+        self.ended: deque[int] = deque(maxlen=RECENT)  # final footprints of the last workflows that ended
         self.held = 0  # times a call was held back (once per step it waited)
 
     def arrived(self, seq: Sequence) -> None:
@@ -63,7 +69,8 @@ class WorkflowAdmission:
         self._forget_ended()
         admitted = [w for w in self.workflows.values() if w.admitted]
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)
-        if admitted and sum(w.footprint() for w in admitted) + need > self.capacity:
+        floor = sum(self.ended) // len(self.ended) if self.ended else 0
+        if admitted and sum(max(w.footprint(), floor) for w in admitted) + max(need, floor) > self.capacity:
             self.held += 1
             return False
         workflow.admitted, workflow.first_need = True, need
@@ -94,6 +101,12 @@ class WorkflowAdmission:
 
     def _forget_ended(self) -> None:
         now = time.monotonic()
-        for name in [name for name, w in self.workflows.items()
-                     if (not w.in_flight and not w.due) or (not w.in_flight and now - w.seen > self.idle_s)]:
-            del self.workflows[name]
+        for name, workflow in list(self.workflows.items()):
+            if workflow.in_flight:
+                continue
+            if not workflow.due:  # its last call named no next one: it ended
+                if workflow.admitted and workflow.blocks:
+                    self.ended.append(workflow.footprint())
+                del self.workflows[name]
+            elif now - workflow.seen > self.idle_s:  # gone between calls: not a footprint to learn from
+                del self.workflows[name]

@@ -98,3 +98,21 @@ def test_admission_changes_no_token(base, tokenizer):
         outputs.append([done[i] for i in ids])
         assert not admission or engine.stats()["admission_holds"] >= 1
     assert outputs[0] == outputs[1]
+
+
+def test_workflows_count_at_least_the_footprint_of_those_that_ended(base, tokenizer):
+    """A workflow that ended after growing its context to 51 blocks teaches the estimate: two
+    new workflows whose first calls need 26 blocks each no longer both fit the 64-block pool
+    (each will grow as that one did)."""
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    a = engine.add_request(_context(tokenizer, 0), PARAMS, hints=_hints("w0", "a", "b"))
+    done = _run(engine)
+    grown = (_context(tokenizer, 0) + done[a]) * 2
+    engine.add_request(grown[:200], PARAMS, hints=_hints("w0", "b", None))
+    _run(engine)
+    assert engine._scheduler.admission.workflows["w0"].footprint() == 51
+    first = [engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+             for i, w in enumerate(["w1", "w2"], start=1)]
+    engine.step()
+    assert engine._scheduler.admission.ended[-1] == 51
+    assert {s.request_id for s in engine._scheduler.waiting} == {first[1]}
