@@ -50,6 +50,9 @@ class _Workflow:
 
 
 class WorkflowAdmission:
+    """One engine's admission: the scheduler asks :meth:`allows` before it admits a waiting
+    call, and tells it of every call that arrives and ends."""
+
     def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = IDLE_S):
         self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
         self.workflows: dict[str, _Workflow] = {}
@@ -82,7 +85,7 @@ class WorkflowAdmission:
         workflow = self._state(seq)
         if workflow is None:
             return
-        workflow.in_flight -= 1
+        workflow.in_flight = max(0, workflow.in_flight - 1)
         workflow.due = bool(seq.hints.steps_to_execution)
         if workflow.admitted and seq.block_table:
             workflow.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
