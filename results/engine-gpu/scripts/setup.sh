@@ -1,7 +1,7 @@
 # sourced by the GPU scripts: install the carried wheels (our pinned transformers/peft/hub, jsonschema, kvshare)
 export PYTHONUNBUFFERED=1 KVSHARE_HOME=/tmp/kvhome KVSHARE_SKIP_INTEGRATION=1
 if [ ! -f /tmp/site/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/alt/*.whl .whl/kv/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(ls .whl/*.whl .whl/alt/*.whl .whl/kv/*.whl 2>/dev/null) || exit 1
   touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site
