@@ -41,12 +41,11 @@ class _Workflow:
     admitted: bool = False
     first_need: int = 0  # blocks its first call needed (its footprint until a call finishes)
     blocks: dict[str, frozenset[int]] = field(default_factory=dict)  # agent -> blocks of its last call
+    distinct: int = 0  # blocks in the union of ``blocks``: counted when a call ends, read every step a call is held
     seen: float = field(default_factory=time.monotonic)
 
     def footprint(self) -> int:
-        if not self.blocks:
-            return self.first_need
-        return len(frozenset().union(*self.blocks.values()))
+        return self.distinct if self.blocks else self.first_need
 
 
 class WorkflowAdmission:
@@ -89,6 +88,7 @@ class WorkflowAdmission:
         workflow.due = bool(seq.hints.steps_to_execution)
         if workflow.admitted and seq.block_table:
             workflow.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
+            workflow.distinct = len(frozenset().union(*workflow.blocks.values()))
 
     @property
     def admitted(self) -> int:

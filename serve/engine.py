@@ -26,13 +26,13 @@ from ..hardware import warn_if_bf16_is_slow
 from ..kernels import Kernels
 from ..models import load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
+from .admission import WorkflowAdmission
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
 from .cache.arena import KVArena
 from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
-from .admission import WorkflowAdmission
 from .hints import AgentHints
 from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
