@@ -2,7 +2,8 @@
 
 A request may say which workflow and agent it belongs to, where the agent's fixed prompt
 ends (the rest is its dynamic suffix), and how many steps away the workflow's other agents
-are - as a mapping, or as a step graph plus the nodes already finished. The workflow
+are - as a mapping, or as a step graph plus the nodes already finished. Each names the
+workflow's whole schedule: an agent it leaves out has no call ahead. The workflow
 runtime sends them in the ``kvshare_hints`` body field; routers may send the identifiers as
 headers (:data:`HEADERS`). The step-aware eviction policy and the prefetcher read them;
 without hints the engine behaves as it always did.
@@ -10,7 +11,7 @@ without hints the engine behaves as it always did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import KvshareError
 from .step_graph import StepGraph, StepNode
@@ -28,7 +29,9 @@ class AgentHints:
     workflow_id: str | None = None
     agent_id: str | None = None
     fixed_prefix_tokens: int | None = None  # the agent's fixed prompt; None = learn it
-    steps_to_execution: dict[str, int] = field(default_factory=dict)  # agent -> steps to its next call
+    # agent -> steps to its next call, for every agent of the workflow with a call ahead (one
+    # left out has none); None: the request says nothing about the workflow's schedule
+    steps_to_execution: dict[str, int] | None = None
 
     @property
     def agent_key(self) -> tuple[str, str] | None:
@@ -73,8 +76,9 @@ def _count(value, field_name: str) -> int | None:
     return value
 
 
-def _steps(raw: dict) -> dict[str, int]:
-    """steps_to_execution, else derived from a graph, else next_agents (each one step away)."""
+def _steps(raw: dict) -> dict[str, int] | None:
+    """steps_to_execution, else derived from a graph, else next_agents (each one step away);
+    None when the request gives none of them."""
     given = [k for k in ("steps_to_execution", "graph", "next_agents") if raw.get(k) is not None]
     if len(given) > 1:
         raise KvshareError(f"kvshare_hints: give one of steps_to_execution, graph, next_agents (got {given})")
@@ -90,7 +94,7 @@ def _steps(raw: dict) -> dict[str, int]:
         if not isinstance(value, list) or len(value) > MAX_AGENTS:
             raise KvshareError(f"kvshare_hints.next_agents must be a list of at most {MAX_AGENTS} agent ids")
         return {_name(a, "next_agents item"): 1 for a in value}
-    return {}
+    return None
 
 
 def _graph(value) -> StepGraph:

@@ -87,12 +87,36 @@ def test_agent_table_steps_learned_boundary_and_bound():
     assert t.due(3) == [(3, ("w", "a"))] and t.due(2) == []  # b has no fixed prompt to load yet
 
 
+def test_agent_table_a_schedule_replaces_the_last_one_of_its_workflow():
+    """An agent a later call's schedule leaves out has no call ahead: it is not due and its
+    blocks rank furthest (stale steps kept ended workflows' prompts above live ones)."""
+    t = AgentTable()
+    a, b, c = ("w", "a"), ("w", "b"), ("w", "c")
+    for agent in "abc":  # each agent has a fixed prompt on record
+        t.fixed_blocks(("w", agent), [agent.encode()], 4, 4)
+    t.on_finish(t.on_request(AgentHints("w", "a", steps_to_execution={"a": 3, "b": 1, "c": 2})))
+    assert [t.steps_of(k) for k in (a, b, c)] == [3, 1, 2]
+    t.on_request(AgentHints("w", "b", steps_to_execution={"c": 1}))  # a and b: no call ahead
+    assert [t.steps_of(k) for k in (a, b, c)] == [math.inf, 0, 1]
+    t.on_finish(b)
+    assert t.steps_of(b) == math.inf and t.due(8) == [(1, c)]
+    t.on_request(AgentHints("w2", "x", steps_to_execution={"y": 1}))  # other workflows untouched
+    t.on_request(AgentHints("w", "c", steps_to_execution={}))  # the workflow's last call
+    t.on_finish(c)
+    assert [t.steps_of(k) for k in (a, b, c)] == [math.inf] * 3 and t.due(8) == []
+    assert t.steps_of(("w2", "y")) == 1
+    # hints without a schedule leave the workflow's steps as they were
+    t.on_finish(t.on_request(AgentHints("w2", "y", steps_to_execution={"y": 2})))
+    t.on_request(AgentHints("w2", "x"))
+    assert t.steps_of(("w2", "y")) == 2
+
+
 # step-aware policy ---------------------------------------------------------------------------
 def _seq(tokens, name, agent=None, fixed=None, steps=None):
     s = Sequence(name, list(tokens), SamplingParams(max_tokens=1))
     s.spec = kind_spec(None)
     if agent:
-        s.hints = AgentHints("w", agent, fixed, steps or {})
+        s.hints = AgentHints("w", agent, fixed, steps)
     return s
 
 
@@ -108,9 +132,10 @@ def _run(m, s):
 def test_step_policy_evicts_dynamic_then_furthest_agent_then_lru_leaves_only():
     m = BlockManager(64, 2, "sha256:base", policy=StepAwarePolicy())
     # agent a: fixed 4 tokens (2 blocks) + dynamic 2 (1 block); next call in 5 steps
-    _run(m, _seq([1, 2, 3, 4, 9, 9], "a1", "a", 4, {"a": 5, "b": 1, "c": 2}))
-    _run(m, _seq([5, 6, 7, 8, 9, 8], "b1", "b", 4, {"b": 1}))
-    _run(m, _seq([1, 2, 3, 4, 7, 7], "c1", "c", 4, {"c": 2}))  # shares a's fixed prompt
+    schedule = {"a": 5, "b": 1, "c": 2}
+    _run(m, _seq([1, 2, 3, 4, 9, 9], "a1", "a", 4, schedule))
+    _run(m, _seq([5, 6, 7, 8, 9, 8], "b1", "b", 4, schedule))
+    _run(m, _seq([1, 2, 3, 4, 7, 7], "c1", "c", 4, schedule))  # shares a's fixed prompt
     order = []
     while len(m.policy):
         victim = m.policy.pop_victim()

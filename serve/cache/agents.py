@@ -5,6 +5,9 @@ agents are due and what to load back for them.
 Steps come from the hints each request carries (:mod:`..hints`): a request's own agent is
 at 0 while it runs; the other agents of its workflow get the steps it names. When the
 request ends its agent takes the steps the hints gave for its next call (unknown: last).
+A request's steps are its workflow's whole schedule (as KVFlow's step graph is): an agent
+of that workflow they leave out has no call ahead, so its blocks rank as the furthest, and a
+workflow whose last call names nobody holds no block above the idle cache.
 
 The fixed prompt of an agent is the prefix its calls keep: given as ``fixed_prefix_tokens``
 or learned as the blocks its last two prompts have in common (its first prompt counts as
@@ -28,6 +31,7 @@ class AgentTable:
         self.running: dict[AgentKey, int] = {}  # calls in flight per agent
         self.fixed_keys: dict[AgentKey, list[bytes]] = {}  # block keys of the agent's fixed prompt
         self._last_prompt: dict[AgentKey, list[bytes]] = {}
+        self._scheduled: dict[str, set[AgentKey]] = {}  # workflow -> agents its last schedule named
         self.version = 0  # bumped whenever an agent's steps may change (ranks are recomputed)
 
     def steps_of(self, agent: AgentKey) -> float:
@@ -37,19 +41,35 @@ class AgentTable:
         """A request arrived: record what its hints say about its workflow."""
         workflow = hints.workflow_id or ""
         own = hints.agent_key
-        if own is not None or hints.steps_to_execution:
+        schedule = hints.steps_to_execution
+        if own is not None or schedule is not None:
             self.version += 1
-        for agent, steps in hints.steps_to_execution.items():
-            key = (workflow, agent)
-            if key == own:
-                self.after_call[key] = steps if steps > 0 else math.inf
-            else:
-                self.steps[key] = steps
+        if schedule is not None:
+            self._replace_schedule(workflow, own, schedule)
         if own is not None:
             self.running[own] = self.running.get(own, 0) + 1
             self.after_call.setdefault(own, math.inf)
             self._forget_oldest()
         return own
+
+    def _replace_schedule(self, workflow: str, own: AgentKey | None, schedule: dict[str, int]) -> None:
+        """Steps named for the workflow's agents; the agents its last schedule named and this
+        one leaves out have no call ahead (a running one none after its call)."""
+        named = {(workflow, agent) for agent in schedule}
+        for key in self._scheduled.pop(workflow, set()) - named:
+            self.steps.pop(key, None)
+            if key in self.after_call:
+                self.after_call[key] = math.inf
+        for agent, steps in schedule.items():
+            key = (workflow, agent)
+            if key == own:
+                self.after_call[key] = steps if steps > 0 else math.inf
+            else:
+                self.steps[key] = steps
+        if own is not None and own not in named:
+            self.after_call[own] = math.inf
+        if named:
+            self._scheduled[workflow] = named
 
     def _forget_oldest(self) -> None:
         """Bound the table: drop the least recently seen agents that have no call in flight."""
@@ -59,9 +79,18 @@ class AgentTable:
                 return
             for table in (self.steps, self.after_call, self.fixed_keys, self._last_prompt):
                 table.pop(oldest, None)
+            self._unschedule(oldest)
         if len(self.steps) > 2 * MAX_AGENTS:  # agents named by hints that never called
             for agent in [a for a in self.steps if a not in self.fixed_keys]:
                 del self.steps[agent]
+                self._unschedule(agent)
+
+    def _unschedule(self, agent: AgentKey) -> None:
+        named = self._scheduled.get(agent[0])
+        if named is not None:
+            named.discard(agent)
+            if not named:
+                del self._scheduled[agent[0]]
 
     def on_finish(self, agent: AgentKey | None) -> None:
         if agent is None or not self.running.get(agent):
