@@ -13,7 +13,9 @@ bucket and shared by every graph. Pad rows write no KV (slot -1) and belong to n
 pad sequences have no rows; programs of the attention grid past a step's sequences return at
 once (:class:`~kvshare.kernels.triton.attention.AttentionLaunch`, fixed per graph). Adapters come
 from the slot stacks (:mod:`.lora_slots`), rewritten in place, so loading one needs no new graph
-unless the stacks grow. The head runs after the replay, on the logit rows only.
+unless the stacks grow; each row's delta is added by the BGMV kernels
+(:mod:`kvshare.kernels.triton.bgmv`: two launches a projection, where the gather form the CPU
+graph uses would record about ten). The head runs after the replay, on the logit rows only.
 
 A graph is recorded on first use of its (bucket, with adapters or not, rows per sequence)
 key, or ahead by :meth:`GraphedStep.warm_up`; ``capture=False`` runs the same code on the same
@@ -32,7 +34,7 @@ from .adapters import AdapterSet
 from .batch import Batch
 from .compiled import resolve_mode
 from .config import DEFAULT_COMPILE_MAX_ROWS
-from .lora_slots import PARTS, lora_delta
+from .lora_slots import PARTS
 from .model import Model, _rms_norm
 from .step_buckets import BucketedStep
 
@@ -159,6 +161,7 @@ class GraphedStep(BucketedStep):
     def _decode(self, kv_cache: torch.Tensor, size: int, adapted: bool, seq_rows: int) -> torch.Tensor:
         """The decoder over the first ``size`` rows of the buffers: what a graph records."""
         from ..kernels.triton.attention import launch_paged_attention, launch_shape, split_partials, write_kv
+        from ..kernels.triton.bgmv import bgmv_lora_add
 
         m = self.model
         launch = launch_shape(m.n_q, m.n_kv, size, seq_rows, self.tables.shape[1] * self.block_size, self.device)
@@ -189,7 +192,7 @@ class GraphedStep(BucketedStep):
                 for name, width in m.fused[fused]:
                     a, b_t = weights[name]
                     if a.shape[-2]:  # a projection some adapter adapts
-                        y[:, first:first + width] += lora_delta(x, a[i], b_t[i], index, scale)
+                        bgmv_lora_add(y[:, first:first + width], x, a[i], b_t[i], index, scale)
                     first += width
                 return y
 

@@ -220,6 +220,40 @@ def test_lora_shrink_writes_into_a_given_buffer():
     assert torch.all(pool[untouched] == 7.0)
 
 
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("rank,d_in,d_out", [(8, 40, 36), (16, 300, 290)])
+def test_bgmv_adds_each_rows_slot_delta_in_place_as_the_reference(rank, d_in, d_out, launches, monkeypatch):
+    """The CUDA-graph step's LoRA: each row's slot and scale read on the device; rows of scale
+    0 (no adapter, an ICaRus base row, pad rows) untouched; into a column slice of a wider
+    output, as the fused projections give it; several feature tiles when the features are many;
+    shrink and expand in one launch (small projections) or two."""
+    from kvshare.kernels.triton import bgmv
+    from kvshare.serve.lora_slots import lora_delta
+
+    if launches == 2:
+        monkeypatch.setattr(bgmv, "_FUSED_READS", 0)
+
+    gen = torch.Generator().manual_seed(4)
+    slots, rows, first = 3, 7, 5
+    a = torch.randn(slots, rank, d_in, generator=gen).to(DEVICE)
+    b_t = torch.randn(slots, rank, d_out, generator=gen).to(DEVICE)
+    a[1, rank // 2:] = 0  # a smaller adapter, zero-padded in the stack
+    b_t[1, rank // 2:] = 0
+    x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
+    index = torch.tensor([2, 0, 1, 0, 2, 1, 0], device=DEVICE)
+    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.0, 0.25, 0.0], device=DEVICE)
+    wide = torch.randn(rows, first + d_out + 3, generator=gen).to(DEVICE)
+    want = wide.clone()
+    want[:, first:first + d_out] += lora_delta(x, a, b_t, index, scale)
+    tk.bgmv_lora_add(wide[:, first:first + d_out], x, a, b_t, index, scale)
+    torch.testing.assert_close(wide, want, atol=1e-4, rtol=1e-5)
+    unadapted = (scale == 0).nonzero().flatten()
+    assert torch.equal(wide[unadapted], want[unadapted])  # bit for bit: never written
+    kept = wide.clone()
+    tk.bgmv_lora_add(wide, x, a[:, :0], b_t[:, :0], index, scale)  # rank 0: a projection no adapter adapts
+    assert torch.equal(wide, kept)
+
+
 def test_triton_engine_generates_what_the_torch_engine_generates(tiny_models, tmp_path):
     """A whole engine on the Triton kernels: a base, a LoRA and an ICaRus request together
     (paired decode rows, prefill, LoRA over mixed rows) give the same greedy tokens."""
