@@ -12,7 +12,7 @@ calls ahead.
 
 A workflow is *live* while one of its calls is in the engine, or its last finished call's
 hints named a next call (``steps_to_execution`` not empty), unless it has not been seen for
-``idle_s`` seconds (a client that went away between calls). Its *footprint* is the distinct KV
+``idle_s`` seconds (a client that went away between calls; ``--workflow-idle-s``). Its *footprint* is the distinct KV
 blocks of its agents' last calls (a shared ICaRus context counts once, private LoRA copies once
 each), or, before any call has finished, the blocks its first call needs. A workflow's context
 grows with its turns, so each live workflow, and the one asking, is counted at no less than
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from .sequence import Sequence
 
-IDLE_S = 120.0  # a live workflow unseen this long is taken as gone
 RECENT = 32  # ended workflows whose final footprints make the estimate for the live ones
 
 
@@ -52,7 +51,7 @@ class WorkflowAdmission:
     """One engine's admission: the scheduler asks :meth:`allows` before it admits a waiting
     call, and tells it of every call that arrives and ends."""
 
-    def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = IDLE_S):
+    def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = 120.0):
         self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
         self.workflows: dict[str, _Workflow] = {}
         self.ended: deque[int] = deque(maxlen=RECENT)  # final footprints of the last workflows that ended

@@ -39,6 +39,7 @@ class EngineConfig:
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
     prefetch_steps: int = 0  # load back the fixed prompts of agents due within this many steps
     workflow_admission: bool = False  # hold new workflows' calls while the running ones' contexts fill the pool
+    workflow_idle_s: float = 120.0  # admission: a workflow with a call ahead but none for this long is gone
     kv_layout: str = "exact"  # lora adapters' KV: exact (private) | forkkv (shared base part + rank-r residual)
     forkkv_max_rank: int = 16  # the ForkKV residual pool's width: the largest adapter rank it serves
     forkkv_residual_tokens: int | None = None  # residual pool capacity (default: 4x the KV pool's tokens)
@@ -57,6 +58,8 @@ class EngineConfig:
                 raise KvshareError(f"{name} must be at least 1")
         if self.host_cache_tokens < 0 or self.prefetch_steps < 0:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
+        if not self.workflow_idle_s > 0:
+            raise KvshareError("workflow_idle_s must be positive")
         if not self.host_bandwidth_gbps > 0 or not self.stream_bandwidth_gbps > 0:
             raise KvshareError("host_bandwidth_gbps and stream_bandwidth_gbps must be positive")
         if self.compile not in ("auto", "on", "off"):
@@ -118,6 +121,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--workflow-admission", action="store_true",
                    help="hold the first call of a new workflow (kvshare_hints.workflow_id) while the contexts of the "
                    "workflows already running fill the KV pool, so they keep their cached context between turns")
+    g.add_argument("--workflow-idle-s", type=float, default=120.0,
+                   help="with --workflow-admission: a workflow whose last call named a next one, but which sent "
+                   "none for this many seconds, is taken as gone and frees its place (default 120)")
     g.add_argument("--kv-layout", choices=["exact", "forkkv", "full_reuse"], default="exact",
                    help="KV of lora adapters: exact (private, default), forkkv (ForkKV: base part shared "
                    "among lora agents, rank-r residual private; approximate, saves memory) or full_reuse "
@@ -136,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_lora_rank=args.max_lora_rank, eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
                         prefetch_steps=args.prefetch_steps, workflow_admission=args.workflow_admission,
+                        workflow_idle_s=args.workflow_idle_s,
                         kv_layout=args.kv_layout,
                         forkkv_max_rank=args.forkkv_max_rank, forkkv_residual_tokens=args.forkkv_residual_tokens)
 

@@ -4,6 +4,11 @@ the order of work only, never a token."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
+from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine, SamplingParams
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
@@ -75,16 +80,18 @@ def test_calls_without_a_workflow_are_never_held(base, tokenizer):
 
 
 def test_a_workflow_gone_idle_frees_its_place(base, tokenizer):
-    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    engine = LLMEngine(base, workflow_admission=True, workflow_idle_s=2.0, **SETTINGS)
     for i, w in enumerate(["w0", "w1"]):
         engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
     _run(engine)  # both stay live: agent b is due, but never calls
     held = engine.add_request(_context(tokenizer, 2), PARAMS, hints=_hints("w2", "a", "b"))
     engine.step()
     assert held in {s.request_id for s in engine._scheduler.waiting}
-    engine._scheduler.admission.idle_s = 0.0
+    time.sleep(2.1)  # w0 and w1 sent nothing for longer than workflow_idle_s
     engine.step()
     assert held not in {s.request_id for s in engine._scheduler.waiting}
+    with pytest.raises(KvshareError, match="workflow_idle_s"):
+        LLMEngine(base, workflow_admission=True, workflow_idle_s=0, **SETTINGS)
 
 
 def test_admission_changes_no_token(base, tokenizer):
