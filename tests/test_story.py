@@ -1,12 +1,21 @@
 """The end-to-end story (make demo) on a tiny model: trains, serves, compares, reuses its runs."""
 
+from kvshare.serve import LLMEngine
 from kvshare.story import run_story
 
 
-def test_story_runs_end_to_end_and_reuses_its_adapters(tiny_models, tmp_path, capsys):
+def test_story_runs_end_to_end_and_reuses_its_adapters(tiny_models, tmp_path, capsys, monkeypatch):
     kwargs = dict(model=str(tiny_models("llama")), workdir=tmp_path, steps=2, examples=24,
                   workflows=2, turns=2, max_tokens=4, context_tokens=64)
+    events = []
+    real_warm_up, real_step = LLMEngine.warm_up, LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self, rows=(), adapters=False: (
+        events.append(("warm_up", max(rows), adapters)), real_warm_up(self, rows, adapters))[1])
+    monkeypatch.setattr(LLMEngine, "step", lambda self: (events.append("step"), real_step(self))[1])
     result = run_story(**kwargs)
+    # every step the workflows run is compiled before the first one is timed: two workflows of
+    # ICaRus pairs beside a checker row, with and without adapters
+    assert events[:2] == [("warm_up", 5, False), ("warm_up", 5, True)] and "step" in events
     out = capsys.readouterr().out
     assert "| icarus |" in out and "| lora |" in out
     for kind in ("icarus", "alora", "lora"):

@@ -211,7 +211,8 @@ def _hub_rows(dataset: str, config: str | None, split: str):
     try:
         return datasets.load_dataset(dataset, config, split=split)
     except Exception as err:  # the hub raises many types; all mean "not available here"
+        where = f"none in {data_dir()}" if data_dir() else "set KVSHARE_DATA to a folder of local data sets"
         raise KvshareError(
             f"could not load {dataset} ({split}) from the Hugging Face Hub and no local copy was "
-            f"found: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            f"found ({where}): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
         ) from None
