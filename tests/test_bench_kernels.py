@@ -25,8 +25,9 @@ def test_bench_kernels_times_each_backend_after_checking_it_against_sdpa(cli, tm
         assert row["triton_rel_err"] < 1e-5 and row["torch_rel_err"] < 1e-5 and row["triton_ms"] > 0
     (lora,) = report["lora"]
     assert lora["rows"] == 16 and lora["triton_8_adapters_ms"] > 0 and lora["torch_1_adapters_ms"] > 0
+    assert lora["bgmv_8_adapters_ms"] > 0  # the CUDA-graph step's LoRA, checked against the reference first
     table = (tmp_path / "kernel_bench.md").read_text()
-    assert "triton / SDPA" in table and "triton 8 / 1" in table and table in result.out
+    assert "triton / SDPA" in table and "triton 8 / 1" in table and "bgmv 8 / 1" in table and table in result.out
 
 
 def test_bench_kernels_refuses_what_it_cannot_run(cli):

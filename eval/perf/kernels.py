@@ -10,7 +10,8 @@ Two questions a GPU user asks of our kernels, each answered in one run:
   over the same keys) are both measured.
 * **Multi-adapter LoRA.** The time of one projection's LoRA delta for a batch whose rows
   use 8 different adapters, against the same rows all using one adapter; a plain linear of
-  the base weight gives the scale.
+  the base weight gives the scale. With the triton backend, also the BGMV kernels the
+  CUDA-graph step uses (column ``bgmv``).
 
 K/V live in the engine's block-major memory (blocks, layers, 2, block_size, kv_heads, dim)
 in shuffled blocks, so the kernels read a strided layer view as they do when serving.
@@ -175,9 +176,30 @@ def _lora_rows(shape_name: str, shape: Shape, kernels: dict[str, Kernels], dtype
             for backend, k in kernels.items():
                 _time_into(row, f"{backend}_{n_adapters}_adapters", lambda: k.gathered_lora(x, base_out, groups, weights),
                            timers)
+            if "triton" in kernels:
+                _time_bgmv(row, n_adapters, x, base_out, slots, groups, weights, timers)
         rows.append(row)
         bar.update()
     return rows
+
+
+def _time_bgmv(row: dict, n_adapters: int, x: torch.Tensor, base_out: torch.Tensor, slots: list[int],
+               groups, weights, timers: dict) -> None:
+    """The CUDA-graph step's LoRA (:mod:`kvshare.kernels.triton.bgmv`: each row's slot read on
+    the device) over the same rows and adapters, checked against the reference first."""
+    from ...kernels.triton.bgmv import bgmv_lora_add
+
+    a = torch.stack([w[0] for w in weights])  # (slots, rank, in), as the slot stacks hold A
+    b_t = torch.stack([w[1].T for w in weights]).contiguous()  # (slots, rank, out)
+    index = torch.tensor(slots, device=x.device)
+    scale = torch.full((len(slots),), weights[0][2], dtype=torch.float32, device=x.device)
+    out = base_out.clone()
+    bgmv_lora_add(out, x, a, b_t, index, scale)
+    expected = Kernels("torch").gathered_lora(x, base_out, groups, weights)
+    err = float((out.float() - expected.float()).norm() / expected.float().norm())
+    if err > (1e-4 if x.dtype == torch.float32 else 2e-2):
+        raise KvshareError(f"the BGMV LoRA kernels differ from the reference by {err:.2e}")
+    _time_into(row, f"bgmv_{n_adapters}_adapters", lambda: bgmv_lora_add(out, x, a, b_t, index, scale), timers)
 
 
 def run_kernel_bench(device: str = "cuda", dtype: str = "bfloat16", kernels: list[str] | None = None,
@@ -245,12 +267,13 @@ def markdown(results: dict) -> str:
             sdpa = _ms(r, "sdpa_gathered", suffix)
             cells = " | ".join(f"{_cell(_ms(r, b, suffix))} | {_ratio(_ms(r, b, suffix), sdpa)}" for b in backends_)
             lines.append(f"| {r['shape']} | {r['rows']} | {r['batch']} | {r['context']} | {_cell(sdpa)} | {cells} |")
+        lora = backends_ + (["bgmv"] if any("bgmv_1_adapters_ms" in r for r in results["lora"]) else [])
         lines += ["", "| shape | rows | base linear | "
-                  + " | ".join(f"{b} 1 adapter | {b} 8 adapters | {b} 8 / 1" for b in backends_) + " |",
-                  "|---" * (3 + 3 * len(backends_)) + "|"]
+                  + " | ".join(f"{b} 1 adapter | {b} 8 adapters | {b} 8 / 1" for b in lora) + " |",
+                  "|---" * (3 + 3 * len(lora)) + "|"]
         for r in results["lora"]:
             cells = " | ".join(
                 f"{_cell(_ms(r, f'{b}_1_adapters', suffix))} | {_cell(_ms(r, f'{b}_8_adapters', suffix))} | "
-                f"{_ratio(_ms(r, f'{b}_8_adapters', suffix), _ms(r, f'{b}_1_adapters', suffix))}" for b in backends_)
+                f"{_ratio(_ms(r, f'{b}_8_adapters', suffix), _ms(r, f'{b}_1_adapters', suffix))}" for b in lora)
             lines.append(f"| {r['shape']} | {r['rows']} | {_cell(_ms(r, 'base_linear', suffix))} | {cells} |")
     return "\n".join(lines) + "\n"
