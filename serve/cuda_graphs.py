@@ -36,7 +36,7 @@ from .compiled import resolve_mode
 from .config import DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import PARTS
 from .model import Model, _rms_norm
-from .step_buckets import BucketedStep
+from .step_buckets import BucketedStep, StepUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -143,20 +143,30 @@ class GraphedStep(BucketedStep):
         if not self.capture:
             entry = (None, None)
         else:
-            log.info("kvshare: recording the CUDA graph of %d rows%s", size, " with adapters" if key[1] else "")
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # Triton compiles its kernels, the allocator warms up
-                for _ in range(2):
-                    self._decode(kv_cache, *key)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._decode(kv_cache, *key)
-            self._pool = graph.pool()
-            entry = (graph, out)
+            try:
+                entry = self._record(key, kv_cache)
+            except Exception as err:  # a user's model or GPU we never ran on: serve eager, not fail
+                self.unavailable = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                self.graphs.clear()
+                log.warning("kvshare: recording a CUDA graph failed (%s); decode steps run eager from now "
+                            "on (--compile off skips the graphs)", self.unavailable)
+                raise StepUnavailable(self.unavailable) from err
         self.graphs[key] = entry
         return entry
+
+    def _record(self, key: tuple[int, bool, int], kv_cache: torch.Tensor):
+        log.info("kvshare: recording the CUDA graph of %d rows%s", key[0], " with adapters" if key[1] else "")
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # Triton compiles its kernels, the allocator warms up
+            for _ in range(2):
+                self._decode(kv_cache, *key)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._decode(kv_cache, *key)
+        self._pool = graph.pool()
+        return graph, out
 
     def _decode(self, kv_cache: torch.Tensor, size: int, adapted: bool, seq_rows: int) -> torch.Tensor:
         """The decoder over the first ``size`` rows of the buffers: what a graph records."""
@@ -213,4 +223,9 @@ class GraphedStep(BucketedStep):
         self._fit(kv_cache, 0)
         for size in sizes or self.buckets:
             for seq_rows in sorted({1, min(2, size)} if adapted else {1}):
-                self._graph((size, adapted, seq_rows), kv_cache)
+                if self.unavailable is not None:
+                    return
+                try:
+                    self._graph((size, adapted, seq_rows), kv_cache)
+                except StepUnavailable:
+                    return

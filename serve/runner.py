@@ -22,7 +22,7 @@ from .cuda_graphs import GraphedStep, graphs_wanted
 from .config import DEFAULT_COMPILE_MAX_ROWS
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
-from .step_buckets import BucketedStep
+from .step_buckets import BucketedStep, StepUnavailable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -121,9 +121,13 @@ class ModelRunner:
         batch = build_batch(plans, self.block_size, self.device,
                             adapters.residual_index() if self.residual_cache is not None else None)
         kv = self.stream or self.kv_cache
+        logits = None
         if self.compiled is not None and self.compiled.handles(batch, kv, self.model.hidden_capture, adapters):
-            logits = self.compiled.forward(batch, kv)
-        else:
+            try:
+                logits = self.compiled.forward(batch, kv)
+            except StepUnavailable:  # the graphs gave up (logged): this step and the later ones run eager
+                pass
+        if logits is None:
             logits = self.model.forward(batch, kv, adapters.lookup, self.residual_cache, adapters.residual_stack)
         sample_rows = [r for r, (_, pos) in enumerate(batch.targets) if pos is None]
         seqs = [plans[batch.targets[r][0]].seq for r in sample_rows]

@@ -13,6 +13,11 @@ from .config import COMPILE_BUCKETS, DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import LoraSlots
 
 
+class StepUnavailable(RuntimeError):
+    """The step gave up on its graphs (why: :attr:`BucketedStep.unavailable`); the engine runs
+    this step and every later one eager."""
+
+
 class BucketedStep:
     """A step of static shapes per row bucket (1, 2, 4, ... up to ``max_rows``)."""
 
@@ -21,12 +26,13 @@ class BucketedStep:
         self.buckets = tuple(b for b in COMPILE_BUCKETS if b <= max_rows) or (1,)
         self.lora = LoraSlots(model, max_loras, max_lora_rank)
         self.steps = 0  # steps run through the graphs
+        self.unavailable: str | None = None  # why the graphs gave up, once they have
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
     def handles(self, batch: Batch, kv_cache, hidden_capture, adapters: AdapterSet) -> bool:
-        if not (batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
+        if not (self.unavailable is None and batch.forkkv is None and isinstance(kv_cache, torch.Tensor) and hidden_capture is None
                 and self.bucket(len(batch.tokens)) is not None):
             return False
         return self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters)
@@ -50,7 +56,7 @@ class BucketedStep:
         with every adapter's LoRA as separate eager calls. Splitting changes no result: a
         sequence's rows stay in one forward, and a step's rows read only blocks computed
         before it or their own sequence's (prefix sharing reuses computed blocks only)."""
-        if (not isinstance(kv_cache, torch.Tensor) or hidden_capture is not None
+        if (self.unavailable is not None or not isinstance(kv_cache, torch.Tensor) or hidden_capture is not None
                 or self.bucket(sum(plan.num_rows for plan in plans)) is not None):
             return [plans]
         few, rest, rows = [], [], 0

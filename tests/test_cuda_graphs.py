@@ -7,6 +7,7 @@ are recorded and replayed for real (``results/engine-gpu/scripts/graphs.sh``).""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -105,6 +106,33 @@ def test_block_tables_past_the_buffer_widen_it(base, tokenizer):
     got, want = (_generate(llm, [prompt], [None], params) for llm in (graphed, eager))
     assert got[0].token_ids == want[0].token_ids
     assert step.tables.shape[1] == 128 and step.steps >= 2
+
+
+def test_a_graph_that_cannot_be_recorded_leaves_the_engine_eager(engines, tokenizer, monkeypatch, caplog):
+    """A recording that fails (an op a graph cannot capture, on a model or GPU never tried) is
+    logged once; that step and every later one run eager, with the eager tokens, and no
+    request fails."""
+    graphed, eager = engines
+    step = GraphedStep(graphed.engine.runner.model, graphed.engine.config.block_size, 16, capture=True)
+    monkeypatch.setattr(graphed.engine.runner, "compiled", step)
+    attempts = []
+
+    def unrecordable(self, key, kv_cache):
+        attempts.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedStep, "_record", unrecordable)
+    prompts, names = prompts_for(tokenizer, 2), [None, "icarus-a"]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with caplog.at_level(logging.WARNING):
+        got = _generate(graphed, prompts, names, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in _generate(eager, prompts, names, params)]
+    assert step.unavailable == "RuntimeError: operation not permitted when stream is capturing"
+    assert len(attempts) == 1 and step.steps == 0 and not step.graphs
+    assert caplog.text.count("decode steps run eager") == 1
+    assert "retrying" not in caplog.text  # the step went eager at once, not through the engine's failure path
+    step.warm_up(graphed.engine.runner.kv_cache)  # nothing to record any more: returns quietly
+    assert len(attempts) == 1
 
 
 def test_when_it_is_chosen(base, monkeypatch):
