@@ -89,6 +89,18 @@ class WorkflowAdmission:
             workflow.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
             workflow.distinct = len(frozenset().union(*workflow.blocks.values()))
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a call of a workflow not admitted yet (a pure read: callable from
+        the server's thread while the engine runs)."""
+        name = seq.hints.workflow_id
+        workflow = self.workflows.get(name) if name is not None else None
+        return name is not None and not (workflow is not None and workflow.admitted)
+
+    def running(self, name: str | None) -> bool:
+        """Whether workflow ``name`` has been admitted (a pure read, as :meth:`holds`)."""
+        workflow = self.workflows.get(name) if name is not None else None
+        return workflow is not None and workflow.admitted
+
     @property
     def admitted(self) -> int:
         return sum(w.admitted for w in self.workflows.values())

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from ..errors import KvshareError
 from .colocate import Colocation
 from .engine import LLMEngine, RequestOutput
+from .hints import AgentHints
 from .openmp import release_openmp_workers
 from .sampling import SamplingParams
 
@@ -63,6 +64,12 @@ class _Mailbox:
         if self._error is None:
             self._ready.clear()
         return item
+
+
+def _workflow_id(hints: AgentHints | dict | None) -> str | None:
+    """The workflow a request names, from parsed hints or the raw ``kvshare_hints`` dict."""
+    name = hints.get("workflow_id") if isinstance(hints, dict) else getattr(hints, "workflow_id", None)
+    return None if name is None else str(name)
 
 
 class AsyncEngine:
@@ -177,9 +184,15 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
 
     # asyncio side ----------------------------------------------------------------------------
-    def has_room(self, n: int = 1) -> bool:
-        """Whether ``n`` more requests fit in the waiting queue now."""
-        return self.colocation.num_waiting() + self._commands.qsize() + n <= self.max_waiting
+    def has_room(self, n: int = 1, workflow_id: str | None = None) -> bool:
+        """Whether ``n`` more requests fit in the waiting queue now. A call of a workflow that
+        workflow admission has let in does not count the new workflows' calls held back: they
+        must not crowd out the running workflows they wait behind (so the queue may hold up to
+        twice ``max_waiting``, half of it held)."""
+        waiting = self.colocation.num_waiting()
+        if workflow_id is not None and self.colocation.workflow_running(workflow_id):
+            waiting -= self.colocation.num_held()
+        return waiting + self._commands.qsize() + n <= self.max_waiting
 
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
                        hints: dict | None = None, model: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -187,7 +200,7 @@ class AsyncEngine:
         ``model`` is the served base name (None: the only engine)."""
         if not self.alive():
             raise RuntimeError("the engine thread is not running")
-        if not self.has_room():
+        if not self.has_room(workflow_id=_workflow_id(hints)):
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Mailbox()

@@ -120,6 +120,12 @@ class Colocation:
     def num_waiting(self) -> int:
         return sum(engine.num_waiting() for engine in self.engines.values())
 
+    def num_held(self) -> int:
+        return sum(engine.num_held() for engine in self.engines.values())
+
+    def workflow_running(self, workflow_id: str | None) -> bool:
+        return any(engine.workflow_running(workflow_id) for engine in self.engines.values())
+
     def step(self) -> list[RequestOutput]:
         """Rebalance KV (with lending), then one step of each engine with work, in a fixed
         order. An engine whose step fails fails its own requests only (finish reason

@@ -340,6 +340,19 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self._scheduler.waiting)
 
+    def num_held(self) -> int:
+        """Waiting calls that workflow admission holds back (new workflows' calls); safe to
+        read from another thread (the waiting queue is copied in one step)."""
+        admission = self._scheduler.admission
+        if admission is None:
+            return 0
+        return sum(1 for seq in list(self._scheduler.waiting) if admission.holds(seq))
+
+    def workflow_running(self, workflow_id: str | None) -> bool:
+        """Whether workflow admission has let ``workflow_id`` in (False without admission)."""
+        admission = self._scheduler.admission
+        return admission is not None and admission.running(workflow_id)
+
     def num_running(self) -> int:
         return len(self._scheduler.running)
 

@@ -123,3 +123,33 @@ def test_workflows_count_at_least_the_footprint_of_those_that_ended(base, tokeni
     engine.step()
     assert engine._scheduler.admission.ended[-1] == 51
     assert {s.request_id for s in engine._scheduler.waiting} == {first[1]}
+
+
+def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokenizer):
+    """The server's queue is full of a new workflow's held call: a call of a running workflow
+    still gets in (and runs); one of another new workflow is refused."""
+    import asyncio
+
+    from kvshare.serve.async_engine import AsyncEngine, Overloaded
+
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    for i, w in enumerate(["w0", "w1"]):
+        engine.add_request(_context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+    _run(engine)  # both running: agent b is due next
+    engine.add_request(_context(tokenizer, 2), PARAMS, hints=_hints("w2", "a", "b"))  # held
+    assert engine.num_held() == 1 and engine.workflow_running("w0") and not engine.workflow_running("w2")
+    runner = AsyncEngine(engine, max_waiting=1)
+
+    async def call(workflow):
+        stream = runner.generate(_context(tokenizer, 0), PARAMS, hints=_hints(workflow, "b", "a"))  # w0 goes on
+        return [out async for out in stream][-1]
+
+    try:
+        assert runner.has_room(workflow_id="w0") and not runner.has_room(workflow_id="w3") and not runner.has_room()
+        assert len(asyncio.run(call("w0")).token_ids) == PARAMS.max_tokens
+        assert engine.num_held() == 1  # w2's call: still held behind w0 and w1
+        with pytest.raises(Overloaded):
+            asyncio.run(call("w3"))
+    finally:
+        runner.shutdown()
+
