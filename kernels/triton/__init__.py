@@ -17,5 +17,5 @@ from .bgmv import bgmv_lora_add
 from .lora import LoraSegments, gathered_lora, lora_expand, lora_segments, lora_shrink, stack_lora_weights
 from .residual_attention import residual_attention
 
-__all__ = ["INTERPRETED", "LoraSegments", "bgmv_lora_add", "gathered_lora", "lora_expand", "lora_segments", "lora_shrink",
-           "paged_attention", "residual_attention", "stack_lora_weights", "write_kv"]
+__all__ = ["INTERPRETED", "LoraSegments", "bgmv_lora_add", "gathered_lora", "lora_expand", "lora_segments",
+           "lora_shrink", "paged_attention", "residual_attention", "stack_lora_weights", "write_kv"]
