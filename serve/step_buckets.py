@@ -33,8 +33,7 @@ class BucketedStep:
 
     def handles(self, batch: Batch, kv_cache, hidden_capture, adapters: AdapterSet) -> bool:
         if not (self.unavailable is None and batch.forkkv is None and isinstance(kv_cache, torch.Tensor)
-                and hidden_capture is None
-                and self.bucket(len(batch.tokens)) is not None):
+                and hidden_capture is None and self.bucket(len(batch.tokens)) is not None):
             return False
         return self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters)
 
