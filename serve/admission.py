@@ -103,7 +103,9 @@ class WorkflowAdmission:
 
     @property
     def admitted(self) -> int:
-        return sum(w.admitted for w in self.workflows.values())
+        """Workflows admitted and live (read by /metrics from the server's thread: the values
+        are copied in one step, so the engine thread may add a workflow meanwhile)."""
+        return sum(w.admitted for w in list(self.workflows.values()))
 
     def _state(self, seq: Sequence) -> _Workflow | None:
         name = seq.hints.workflow_id

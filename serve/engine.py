@@ -451,12 +451,13 @@ class LLMEngine:
         }
 
     def admission_stats(self) -> dict:
-        """Workflows admitted and live now, and the calls of new ones held back (nothing without
-        workflow admission)."""
+        """Workflows admitted and live now, how often calls of new ones were held back, and how
+        many wait held now (nothing without workflow admission)."""
         admission = self._scheduler.admission
         if admission is None:
             return {}
-        return {"workflows_admitted": admission.admitted, "admission_holds": admission.held}
+        return {"workflows_admitted": admission.admitted, "admission_holds": admission.held,
+                "admission_held_waiting": self.num_held()}
 
     def forkkv_stats(self) -> dict:
         """The ForkKV residual pool's hits and evictions (nothing without the pool)."""

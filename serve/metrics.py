@@ -43,6 +43,7 @@ COUNTERS = {
     "evictions": "cached KV blocks evicted from the device",
     "preemptions": "running requests preempted for room",
     "host_hit_tokens": "prompt tokens served from blocks loaded back from the host tier",
+    "admission_holds": "times a new workflow's call was held back (once per step it waited)",
     **{f"host_{f.name}": f"host tier: {f.name.replace('_', ' ')}" for f in fields(TierStats)},
 }
 KIND_PREFIX = "prefix_hit_tokens_"  # + a KVLayout.reuse_kinds entry: hits by the kind of KV reused

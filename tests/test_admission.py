@@ -10,6 +10,7 @@ import pytest
 
 from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine, SamplingParams
+from kvshare.serve.metrics import ServerMetrics
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
 
@@ -138,6 +139,9 @@ def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokeni
     _run(engine)  # both running: agent b is due next
     engine.add_request(_context(tokenizer, 2), PARAMS, hints=_hints("w2", "a", "b"))  # held
     assert engine.num_held() == 1 and engine.workflow_running("w0") and not engine.workflow_running("w2")
+    engine.step()
+    metrics = ServerMetrics(engine).render().decode()
+    assert "kvshare_admission_held_waiting 1.0" in metrics and "kvshare_admission_holds_total 1.0" in metrics
     runner = AsyncEngine(engine, max_waiting=1)
 
     async def call(workflow):
