@@ -34,6 +34,7 @@ class EngineConfig:
     compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
     max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
+    warm_up: bool = False  # servers: compile every step bucket before answering (vLLM captures at startup)
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
     host_cache_tokens: int = 0  # host KV tier capacity (0 = no tier: evicted KV is dropped)
     host_bandwidth_gbps: float = 25.0  # simulated host<->device link on CPU (about PCIe 4.0 x16)
@@ -110,6 +111,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    "adapters past them run eager")
     g.add_argument("--max-lora-rank", type=int, default=64,
                    help="largest adapter rank those stacks take (default 64); higher ranks run eager")
+    g.add_argument("--warm-up", action="store_true",
+                   help="kvshare serve: compile every step bucket, with the adapters too, before answering (as "
+                   "vLLM captures its graphs at startup; minutes the first time on 2 cores, seconds from the disk "
+                   "cache); default: each on its first use")
     g.add_argument("--eviction-policy", choices=["lru", "step"], default="lru",
                    help="which idle cached KV goes first: lru, or step (KVFlow: agents due last go first)")
     g.add_argument("--host-cache-tokens", type=int, default=0,
@@ -138,8 +143,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         kernels=args.kernels, compile=args.compile, compile_max_rows=args.compile_max_rows,
-                        max_loras=args.max_loras,
-                        max_lora_rank=args.max_lora_rank, eviction_policy=args.eviction_policy,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, warm_up=args.warm_up,
+                        eviction_policy=args.eviction_policy,
                         host_cache_tokens=args.host_cache_tokens, host_bandwidth_gbps=args.host_bandwidth_gbps,
                         prefetch_steps=args.prefetch_steps, workflow_admission=args.workflow_admission,
                         workflow_idle_s=args.workflow_idle_s,

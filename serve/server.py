@@ -302,7 +302,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     ``limits.max_waiting`` (one queue for all). One engine answers to every name in
     ``served_model_name`` (vLLM's flag; default: the engine's model name), the first of which
     the model list shows. ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
-    ``/v1/unload_lora_adapter``."""
+    ``/v1/unload_lora_adapter``. Engines whose config asks for ``warm_up`` compile their steps
+    here, with their adapters loaded, before the app answers."""
     limits = limits or ServerLimits()
     max_waiting = limits.max_waiting if max_waiting is None else max_waiting
     base_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
@@ -313,6 +314,11 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     else:
         colocation = Colocation({(base_names or [engine.model_name])[0]: engine})
     aliases = {alias: base_names[0] for alias in base_names[1:]}  # further names of the one base
+    for each in colocation.engines.values():  # before the engine thread starts: it owns the engine then
+        if each.config.warm_up:
+            each.warm_up()
+            if each.adapters():
+                each.warm_up(adapters=True)
     runner = AsyncEngine(colocation, max_waiting=max_waiting)
     # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
     # so a huge prompt costs one core, not every core

@@ -367,3 +367,18 @@ def test_bfloat16_projections_in_dot_products_score_as_the_eager_step(base, adap
     assert all(d.vnni and hasattr(d, "l0_qkv_vnni") for d in decoders) and step._head_packed is not None
     assert decoders[0].l0_qkv_vnni.data_ptr() == decoders[1].l0_qkv_vnni.data_ptr()  # packed once for both graphs
     _assert_steps_score_as_eager(llm, tokenizer, monkeypatch)
+
+
+def test_a_server_asked_to_warm_up_compiles_before_it_answers(base, adapters):
+    """``kvshare serve --warm-up``: the app is built only once every bucket's graph exists,
+    with the loaded adapters' graph too, so no request waits for a compile."""
+    from kvshare.serve import LLMEngine
+    from kvshare.serve.server import create_app
+
+    engine = LLMEngine(base, [adapters["icarus-a"]], kv_cache_tokens=256, block_size=4, compile="on",
+                       compile_max_rows=1, warm_up=True)
+    app = create_app(engine)
+    try:
+        assert set(engine.runner.compiled.traced) == {(1, False), (1, True)}
+    finally:
+        app.state.runner.shutdown()
