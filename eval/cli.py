@@ -107,7 +107,8 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, tool_delay=args.tool_delay, observation_tokens=args.observation_tokens,
         kv_cache_tokens=args.kv_cache_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out,
         kernels=args.kernels, compile_max_rows=args.compile_max_rows,
-        max_num_batched_tokens=args.max_num_batched_tokens, workflow_admission=args.workflow_admission)
+        max_num_batched_tokens=args.max_num_batched_tokens, workflow_admission=args.workflow_admission,
+        pattern=args.pattern)
     print(markdown(results))
     return 0
 
@@ -118,6 +119,8 @@ def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
         raise KvshareError("--ray needs at least 1 replica")
     if args.peer:
         raise KvshareError("--ray and --peer cannot be combined")
+    if args.pattern != "react":
+        raise KvshareError("--ray runs the react pattern only")
     try:
         from .perf.workflow import ray_markdown, run_ray_workflow_bench
         import ray.serve  # noqa: F401
@@ -302,7 +305,11 @@ def register(sub) -> None:
     p.add_argument("--affinity", nargs="+", choices=["on", "off"],
                    help="with --ray: workflow-affinity routing on, off (Ray's load router), or both (default)")
     p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
-    p.add_argument("--turns", type=int, default=4, help="ReAct turns per workflow")
+    p.add_argument("--pattern", choices=["react", "skewed", "reflexion", "mapreduce"], default="react",
+                   help="react: agents take turns round-robin (default); skewed: the first agent takes half the "
+                   "turns; reflexion: the first agent acts, the second critiques; mapreduce: all but the last "
+                   "agent read the context at once, the last combines their answers")
+    p.add_argument("--turns", type=int, default=4, help="calls per workflow (react, skewed, reflexion)")
     p.add_argument("--context-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per agent turn")
     p.add_argument("--tool-delay", type=float, default=0.0, help="simulated tool latency, seconds")

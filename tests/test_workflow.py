@@ -12,6 +12,7 @@ from kvshare.serve.async_engine import AsyncEngine
 from kvshare.serve.workflow import (Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool,
                                     Skewed, Workflow)
 
+from conftest import assert_one_line_error
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 from test_server import KEY, server  # noqa: F401
 
@@ -131,6 +132,29 @@ def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, t
     assert "ICaRus / base tok/s" in (tmp_path / "workflow_bench.md").read_text()
     for name in ("workflow_bench.json", "workflow_bench.md", "p95_vs_qps.png", "throughput_vs_qps.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("pattern,calls", [("skewed", 3), ("reflexion", 2), ("mapreduce", 3)])
+def test_workflow_benchmark_runs_the_briefs_other_patterns(tiny_models, pattern, calls):
+    """Skewed ReAct, Reflexion (actor, critic) and MapReduce (two mappers, one reducer) through
+    the same engine: every call runs, ICaRus agents share the context as in ReAct."""
+    from kvshare.eval.perf.workflow import run_workflow_bench
+
+    agents = 3 if pattern == "mapreduce" else 2
+    results = run_workflow_bench(model=str(tiny_models("llama")), agents=(agents,), qps=(50.0,),
+                                 modes=("icarus", "lora"), workflows=2, turns=3, context_tokens=64, max_tokens=4,
+                                 pattern=pattern)
+    by_mode = {p["mode"]: p for p in results["points"]}
+    assert results["pattern"] == pattern and all(p["calls"] == 2 * calls for p in by_mode.values())
+    assert by_mode["icarus"]["hit_rate"] > by_mode["lora"]["hit_rate"]
+    if pattern == "mapreduce":  # the mappers (agents 0, 1) before the reducer (agent 2)
+        records = by_mode["icarus"]["call_records"]
+        assert sorted(r["agent"] for r in records if r["workflow"] == 0) == ["agent0", "agent1", "agent2"]
+
+
+def test_workflow_benchmark_refuses_a_pattern_its_agents_cannot_run(cli):
+    assert_one_line_error(cli("bench", "workflow", "--pattern", "reflexion", "--agents", "1"),
+                          "reflexion pattern needs at least 2 agents")
 
 
 def test_workflow_benchmark_with_workflow_admission_finishes_every_call(tiny_models):

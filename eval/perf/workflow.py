@@ -1,7 +1,10 @@
-"""``kvshare bench workflow``: multi-agent ReAct on HotpotQA, ICaRus vs aLoRA vs LoRA vs HF.
+"""``kvshare bench workflow``: multi-agent workflows on HotpotQA, ICaRus vs aLoRA vs LoRA vs HF.
 
 Each workflow is one HotpotQA question with its paragraphs as the shared context, run by N
-agents (each its own adapter) taking ReAct turns round-robin. Workflows arrive as a Poisson
+agents (each its own adapter) in one of the brief's patterns (:data:`PATTERNS`): ReAct turns
+round-robin (the default), ReAct with one agent taking half the turns (skewed), Reflexion
+(actor and critic), or MapReduce (every agent but the last reads the context at once, the last
+combines their answers). Workflows arrive as a Poisson
 process at the given rate (a fixed number per point); every LLM call's latency, time to first
 token, tokens and cache hits are recorded. Modes:
 - ``icarus``: N ICaRus adapters, one shared cache (prefix reuse across agents);
@@ -42,12 +45,13 @@ from ...serve.config import DEFAULT_COMPILE_MAX_ROWS
 from ...serve.engine import LLMEngine
 from ...serve.graph_cache import release_compiled_graphs
 from ...serve.openmp import release_openmp_workers
-from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Workflow
+from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed, Workflow
 from .common import percentile, setup, write_report as _write
 from ...loopback import free_port
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, kv_space_gib, vllm_serve_command
 
 PEER_MODES = ("vllm-lora", "vllm-base")
+PATTERNS = ("react", "skewed", "reflexion", "mapreduce")
 RANDOM_RANK = 8  # of the random adapters (ForkKV's residual width)
 
 
@@ -119,7 +123,33 @@ class HFBackend:
         return ids, 0, time.perf_counter()
 
 
-async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, seed, engine=None):
+async def run_pattern(flow: Workflow, pattern: str, agents: list[Agent], turns: int, seed: int) -> None:
+    """One workflow of ``pattern``: ``react``, ``turns`` turns round-robin; ``skewed``, the
+    first agent takes half the turns, the others the rest at random; ``reflexion``, the first
+    agent acts and the second critiques, ``turns`` calls in all (at least one round);
+    ``mapreduce``, every agent but the last answers from the context at once, then the last
+    combines the answers (``turns`` unused)."""
+    if pattern == "react":
+        await flow.react(RoundRobin(agents), turns)
+    elif pattern == "skewed":
+        await flow.react(Skewed(agents, seed=seed), turns)
+    elif pattern == "reflexion":
+        await flow.reflexion(agents[0], agents[1], max(1, turns // 2))
+    elif pattern == "mapreduce":
+        await flow.mapreduce(agents[:-1], agents[-1])
+    else:
+        raise KvshareError(f"unknown workflow pattern {pattern!r}; known: {', '.join(PATTERNS)}")
+
+
+def check_pattern(pattern: str, agents: tuple[int, ...]) -> None:
+    """A clear error before any work for a pattern the agent counts cannot run."""
+    if pattern not in PATTERNS:
+        raise KvshareError(f"unknown workflow pattern {pattern!r}; known: {', '.join(PATTERNS)}")
+    if pattern in ("reflexion", "mapreduce") and min(agents) < 2:
+        raise KvshareError(f"the {pattern} pattern needs at least 2 agents")
+
+
+async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, seed, engine=None, pattern="react"):
     rng = random.Random(seed)
     peak = [0]
     stop = asyncio.Event()
@@ -133,7 +163,7 @@ async def _run_point(backend, agents, contexts, qps, turns, max_tokens, tool, se
     async def one(index, context, delay):
         await asyncio.sleep(delay)
         flow = Workflow(index, backend, context, max_tokens=max_tokens, tool=tool)
-        await flow.react(RoundRobin(agents), turns)
+        await run_pattern(flow, pattern, agents, turns, seed=seed * 1000 + index)
         return flow
 
     watcher = asyncio.create_task(watch())
@@ -155,9 +185,12 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        tool_delay: float = 0.0, observation_tokens: int = 32, kv_cache_tokens: int | None = None,
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
                        peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS,
-                       max_num_batched_tokens: int = 1024, workflow_admission: bool = False) -> dict:
+                       max_num_batched_tokens: int = 1024, workflow_admission: bool = False,
+                       pattern: str = "react") -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
-    ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``."""
+    ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``.
+    ``pattern``: see :func:`run_pattern`."""
+    check_pattern(pattern, agents)
     model_dir = setup(model, threads)
     kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
     venv = None
@@ -177,7 +210,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 runner = None
                 if mode in PEER_MODES:
                     points += _peer_points(mode, venv, model_dir, team, paths, contexts, qps, turns, max_tokens,
-                                           tool, engine, kv_cache_tokens, dtype, threads, Path(tmp), bar)
+                                           tool, engine, kv_cache_tokens, dtype, threads, Path(tmp), bar, pattern)
                     continue
                 if mode == "hf":
                     backend = HFBackend(model_dir, paths, engine.tokenizer)
@@ -197,7 +230,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                         holds = engine.stats().get("admission_holds", 0)
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
-                        engine=engine if runner else None))
+                        engine=engine if runner else None, pattern=pattern))
                     stats = engine.stats() if runner else {}
                     points.append(_point(mode, n, rate, flows, makespan, stats.get("prefix_hit_rate"),
                                          stats.get("evictions"), peak if runner else None))
@@ -213,7 +246,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     bar.close()
     results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
                "max_num_batched_tokens": max_num_batched_tokens, "workflow_admission": workflow_admission,
-               "threads": threads,
+               "pattern": pattern, "threads": threads,
                "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
                "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
@@ -265,7 +298,7 @@ def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evi
 
 def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], paths: list[Path], contexts,
                  qps, turns: int, max_tokens: int, tool, engine: LLMEngine, kv_cache_tokens: int, dtype: str,
-                 threads: int, tmp: Path, bar) -> list[dict]:
+                 threads: int, tmp: Path, bar, pattern: str = "react") -> list[dict]:
     """Every QPS point of one vLLM mode, against one ``vllm serve`` process (its prefix cache
     reset before each point, as kvshare's is). vLLM takes its KV space in whole GiB: it gets
     the smallest that holds kvshare's pool (reported per point)."""
@@ -281,7 +314,7 @@ def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], path
             backend = ServerBackend(server.base_url, "EMPTY", "base", engine.tokenizer, send_hints=False,
                                     ignore_eos=True)
             flows, makespan, _ = asyncio.run(_run_point(backend, team, contexts, rate, turns, max_tokens, tool,
-                                                        seed=len(team)))
+                                                        seed=len(team), pattern=pattern))
             queried, hits = (b - a for a, b in zip(before, server.prefix_cache_counts()))
             points.append(_point(mode, len(team), rate, flows, makespan, hits / queried if queried else None,
                                  None, None) | {"peer_kv_cache_gib": kv_gib})
