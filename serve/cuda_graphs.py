@@ -14,8 +14,8 @@ pad sequences have no rows; programs of the attention grid past a step's sequenc
 once (:class:`~kvshare.kernels.triton.attention.AttentionLaunch`, fixed per graph). Adapters come
 from the slot stacks (:mod:`.lora_slots`), rewritten in place, so loading one needs no new graph
 unless the stacks grow; each row's delta is added by the BGMV kernels
-(:mod:`kvshare.kernels.triton.bgmv`: two launches a projection, where the gather form the CPU
-graph uses would record about ten). The head runs after the replay, on the logit rows only.
+(:mod:`kvshare.kernels.triton.bgmv`: one or two launches a projection, where the gather form
+the CPU graph uses would record eight to ten). The head runs after the replay, on the logit rows only.
 
 A graph is recorded on first use of its (bucket, with adapters or not, rows per sequence)
 key, or ahead by :meth:`GraphedStep.warm_up`; ``capture=False`` runs the same code on the same
