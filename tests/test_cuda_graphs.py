@@ -135,6 +135,26 @@ def test_a_graph_that_cannot_be_recorded_leaves_the_engine_eager(engines, tokeni
     assert len(attempts) == 1
 
 
+def test_a_graphed_pair_step_adds_one_kernel_per_adapted_projection(engines):
+    """What a graph records bounds its GPU time (a few microseconds a kernel): an ICaRus pair
+    step may add one BGMV launch per adapted projection and layer to a base step, not the ten
+    of a gather (session 24's graph: 2.39x a SmolLM2 base step's kernels; now 1.15x)."""
+    from kvshare.kernels.triton.launch_count import count_launches
+
+    graphed, _ = engines
+    runner = graphed.engine.runner
+    step = GraphedStep(runner.model, graphed.engine.config.block_size, 16, capture=runner.device.type == "cuda")
+    step.warm_up(runner.kv_cache, (2,), adapted=True, adapters=graphed.engine._adapters)
+    counts = []
+    for adapted, rows in ((False, 1), (True, 2)):
+        with torch.no_grad(), count_launches() as launched:
+            step._decode(runner.kv_cache, 2, adapted, rows)
+        counts.append(launched)
+    projections = len(step.lora.parts) * runner.model.n_layers
+    added = sum(counts[1].values()) - sum(counts[0].values())
+    assert projections and added == projections == counts[1]["triton:_fused_kernel"], (added, projections)
+
+
 def test_when_it_is_chosen(base, monkeypatch):
     """On a GPU, with the Triton attention kernels and plain projections; never on CPU."""
     monkeypatch.delenv("KVSHARE_COMPILE", raising=False)

@@ -3,8 +3,8 @@ step (one sequence, its base and adapter rows), with the graph's LoRA as BGMV ke
 the gather form it had before (``serve/lora_slots.lora_delta``, added into the output slice).
 
 Runs on CPU: :class:`GraphedStep` with ``capture=False`` executes what a graph would record,
-through Triton's interpreter. Counted: torch ops that launch a kernel on a GPU (views,
-allocations and the interpreter's own argument copies left out) plus Triton launches. A GPU
+through Triton's interpreter, under :func:`kvshare.kernels.triton.launch_count.count_launches`
+(torch ops that launch a kernel on a GPU, plus Triton launches). A GPU
 step of a small model is about as long as its kernel count times a few microseconds
 (results/engine-gpu/README.md), so the ratio is the pair step's expected cost; the real one
 needs a GPU (graphs.sh).
@@ -12,7 +12,6 @@ needs a GPU (graphs.sh).
     python results/engine-gpu/scripts/count_launches.py [model] [icarus-adapter]
 """
 
-import collections
 import os
 import sys
 import tempfile
@@ -20,60 +19,14 @@ import tempfile
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import kvshare.kernels.triton.attention as attention  # noqa: E402
 import kvshare.kernels.triton.bgmv as bgmv  # noqa: E402
+from kvshare.kernels.triton.launch_count import count_launches  # noqa: E402
 from kvshare.models import resolve_model_dir  # noqa: E402
 from kvshare.random_adapters import random_adapter  # noqa: E402
 from kvshare.serve import LLM  # noqa: E402
 from kvshare.serve.cuda_graphs import GraphedStep  # noqa: E402
 from kvshare.serve.lora_slots import lora_delta  # noqa: E402
-
-NO_KERNEL = {"view", "_unsafe_view", "reshape", "split", "split_with_sizes", "slice", "select", "expand", "t",
-             "transpose", "unsqueeze", "squeeze", "permute", "as_strided", "alias", "detach", "empty",
-             "empty_like", "new_empty", "set_", "unbind", "narrow", "_reshape_alias", "lift_fresh"}
-
-
-class Launches(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-        self.interpreting = 0  # inside a Triton launch: the interpreter's copies are not kernels
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not self.interpreting and name not in NO_KERNEL:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-COUNTER = Launches()
-
-
-def _triton(name, launch):
-    def counted(*args, **kwargs):
-        COUNTER.counts[f"triton:{name}"] += 1
-        COUNTER.interpreting += 1
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            COUNTER.interpreting -= 1
-    return counted
-
-
-class _Grid:
-    def __init__(self, kernel, name):
-        self.kernel, self.name = kernel, name
-
-    def __getitem__(self, grid):
-        return _triton(self.name, self.kernel[grid])
-
-
-for name in ("_write_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"):
-    setattr(attention, name, _Grid(getattr(attention, name), name.strip("_")))
-for name in ("_shrink_kernel", "_expand_kernel", "_fused_kernel"):
-    setattr(bgmv, name, _Grid(getattr(bgmv, name), "bgmv" + name.replace("_kernel", "")))
 
 
 def gather_form(y, x, a, b_t, index, scale):
@@ -83,10 +36,9 @@ def gather_form(y, x, a, b_t, index, scale):
 
 
 def count(step, kv, adapted):
-    COUNTER.counts.clear()
-    with torch.no_grad(), COUNTER:
+    with torch.no_grad(), count_launches() as counts:
         step._decode(kv, 2, adapted, 2 if adapted else 1)
-    return sum(COUNTER.counts.values()), dict(COUNTER.counts)
+    return sum(counts.values())
 
 
 def main():
@@ -98,12 +50,12 @@ def main():
         step = GraphedStep(engine.runner.model, 16, 16, capture=False)
         step.warm_up(engine.runner.kv_cache, (2,), adapted=True, adapters=engine._adapters)
         print(f"model {model}; adapted projections {list(step.lora.parts)}, stack rank {step.lora.rank}")
-        base, detail = count(step, engine.runner.kv_cache, False)
+        base = count(step, engine.runner.kv_cache, False)
         print(f"base step (1 row):                 {base} kernels")
         real = bgmv.bgmv_lora_add
         for form, add in (("bgmv", real), ("gather", gather_form)):
             bgmv.bgmv_lora_add = add
-            pair, detail = count(step, engine.runner.kv_cache, True)
+            pair = count(step, engine.runner.kv_cache, True)
             print(f"ICaRus pair step (2 rows), {form:6}: {pair} kernels = {pair / base:.2f}x the base step")
         bgmv.bgmv_lora_add = real
 
