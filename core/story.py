@@ -106,8 +106,7 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
     # compile the steps the runs below take (ICaRus pairs: two rows a workflow) before anything is
     # timed: the first run paid them inside whichever team ran first (2.0 against 30.2 tok/s)
     rows = tuple(range(1, 2 * workflows + 2))
-    engine.warm_up(rows)
-    engine.warm_up(rows, adapters=True)
+    engine.warm_up_all(rows)
     answers = {}
     for label, adapter in (("base", None), ("icarus", names["icarus"]), ("lora", names["lora"])):
         rid = engine.add_request(list(chat), SamplingParams(max_tokens=80), adapter=adapter)

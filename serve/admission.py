@@ -92,9 +92,7 @@ class WorkflowAdmission:
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq`` is a call of a workflow not admitted yet (a pure read: callable from
         the server's thread while the engine runs)."""
-        name = seq.hints.workflow_id
-        workflow = self.workflows.get(name) if name is not None else None
-        return name is not None and not (workflow is not None and workflow.admitted)
+        return seq.hints.workflow_id is not None and not self.running(seq.hints.workflow_id)
 
     def running(self, name: str | None) -> bool:
         """Whether workflow ``name`` has been admitted (a pure read, as :meth:`holds`)."""

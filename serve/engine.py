@@ -229,6 +229,13 @@ class LLMEngine:
             sizes = tuple(sorted({b for b in map(compiled.bucket, rows) if b is not None})) if rows else None
             compiled.warm_up(self.runner.kv_cache, sizes, adapters, self._adapters)
 
+    def warm_up_all(self, rows: tuple[int, ...] = ()) -> None:
+        """:meth:`warm_up` for steps without adapters and, when any are loaded, with them: what
+        an engine about to serve its loaded adapters compiles (servers, benchmarks, the story)."""
+        self.warm_up(rows)
+        if self.adapters():
+            self.warm_up(rows, adapters=True)
+
     def has_unfinished(self) -> bool:
         return self._scheduler.has_work()
 

@@ -316,9 +316,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     aliases = {alias: base_names[0] for alias in base_names[1:]}  # further names of the one base
     for each in colocation.engines.values():  # before the engine thread starts: it owns the engine then
         if each.config.warm_up:
-            each.warm_up()
-            if each.adapters():
-                each.warm_up(adapters=True)
+            each.warm_up_all()
     runner = AsyncEngine(colocation, max_waiting=max_waiting)
     # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
     # so a huge prompt costs one core, not every core

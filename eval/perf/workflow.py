@@ -129,16 +129,15 @@ async def run_pattern(flow: Workflow, pattern: str, agents: list[Agent], turns: 
     agent acts and the second critiques, ``turns`` calls in all (at least one round);
     ``mapreduce``, every agent but the last answers from the context at once, then the last
     combines the answers (``turns`` unused)."""
+    check_pattern(pattern, (len(agents),))
     if pattern == "react":
         await flow.react(RoundRobin(agents), turns)
     elif pattern == "skewed":
         await flow.react(Skewed(agents, seed=seed), turns)
     elif pattern == "reflexion":
         await flow.reflexion(agents[0], agents[1], max(1, turns // 2))
-    elif pattern == "mapreduce":
-        await flow.mapreduce(agents[:-1], agents[-1])
     else:
-        raise KvshareError(f"unknown workflow pattern {pattern!r}; known: {', '.join(PATTERNS)}")
+        await flow.mapreduce(agents[:-1], agents[-1])
 
 
 def check_pattern(pattern: str, agents: tuple[int, ...]) -> None:
@@ -218,9 +217,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     for path in paths:
                         engine.load_adapter(path)
                     # a compiled CPU step compiles each bucket on first use: before the clock, not inside a point
-                    engine.warm_up()
-                    if paths:
-                        engine.warm_up(adapters=True)
+                    engine.warm_up_all()
                     runner = AsyncEngine(engine, max_waiting=10_000)
                     backend = EngineBackend(runner)
                 for rate in qps:
