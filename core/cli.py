@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import KvshareError
+from .errors import exit_code
 
 
 # modules with ``register(sub)``: each adds its subsystem's commands
@@ -200,17 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(func=run_lm_eval, lm_eval_args=argv[1:])
     else:
         args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except KvshareError as err:
-        print(f"kvshare: error: {err}", file=sys.stderr)
-        return 1
-    except OSError as err:  # unreadable or unwritable paths are user-facing too
-        print(f"kvshare: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("kvshare: interrupted", file=sys.stderr)
-        return 130
+    return exit_code(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def export_adapter(
     kind = parse_kind(kind) if isinstance(kind, str) else kind
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     ckpt = read_peft_checkpoint(checkpoint_dir)
-    if out.resolve() == checkpoint_dir.resolve() or checkpoint_dir.resolve() in out.resolve().parents:
-        raise KvshareError("--out must be a new folder outside CHECKPOINT_DIR")
+    source, target = checkpoint_dir.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        # --force replaces --out whole: a folder around the checkpoint would go with it
+        raise KvshareError("--out must be a folder that neither is, nor is inside, nor contains CHECKPOINT_DIR")
     if out.exists() and not force:
         raise KvshareError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():

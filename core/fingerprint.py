@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from .errors import KvshareError
 from .fsutil import write_text_atomic
@@ -24,6 +26,7 @@ from .safetensors_io import model_weight_files
 
 CACHE_FILE = "kvshare-fingerprint.json"
 CACHE_VERSION = 1
+_PROGRESS_BYTES = 1 << 30  # bases larger than this show a progress bar while hashed (on a terminal)
 
 # Config keys that describe a run or a save, not the architecture.
 _VOLATILE_CONFIG_KEYS = {
@@ -50,7 +53,7 @@ def fingerprints(model_dir: Path) -> Fingerprints:
             data = json.loads(cache.read_text())
             if data.get("version") == CACHE_VERSION and data.get("files") == stats:
                 return Fingerprints(data["base"], data["tokenizer"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache is simply recomputed
     result = compute_fingerprints(model_dir)
     payload = {"version": CACHE_VERSION, "base": result.base, "tokenizer": result.tokenizer,
@@ -84,14 +87,20 @@ def compute_fingerprints(model_dir: Path) -> Fingerprints:
     digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
     digest.update(vocab.encode())
     skip = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
-    for file in model_weight_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in sorted(handle.keys()):
-                if name in skip:
-                    continue
-                tensor = handle.get_tensor(name).contiguous()
-                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
-                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    files = model_weight_files(model_dir)
+    # a 7B base is 14-28 GB to read once; small ones finish before a bar would say anything
+    size = sum(file.stat().st_size for file in files)
+    with tqdm(total=size, unit="B", unit_scale=True, desc=f"fingerprinting {model_dir.name}", file=sys.stderr,
+              disable=None if size > _PROGRESS_BYTES else True) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in sorted(handle.keys()):
+                    if name in skip:
+                        continue
+                    tensor = handle.get_tensor(name).contiguous()
+                    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
+                    digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+                    bar.update(tensor.nbytes)
     return Fingerprints(f"sha256:{digest.hexdigest()}", f"sha256:{vocab}")
 
 

@@ -43,7 +43,11 @@ def apply_override(data: dict, item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise KvshareError(f"override {item!r} is not of the form key=value")
-    value = yaml.safe_load(raw) if raw else None
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as err:
+        problem = str(getattr(err, "problem", None) or err).splitlines()[0]
+        raise KvshareError(f"override {item!r}: its value is not valid YAML ({problem})") from None
     node = data
     parts = key.split(".")
     for part in parts[:-1]:

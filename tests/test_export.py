@@ -225,6 +225,18 @@ def test_refuses_to_overwrite_without_force_and_replaces_with_it(cli, checkpoint
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
 
 
+@pytest.mark.parametrize("where", ["itself", "inside", "around"])
+def test_out_may_not_be_inside_or_around_the_checkpoint(cli, checkpoints, base, tmp_path, where):
+    """--force replaces --out whole, so a folder holding the checkpoint is refused untouched."""
+    run = tmp_path / "run"
+    ckpt = Path(shutil.copytree(checkpoints["icarus"], run / "final"))
+    out = {"itself": ckpt, "inside": ckpt / "adapter", "around": run}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    result = export(cli, ckpt, "icarus", base, out, "--force")
+    assert_one_line_error(result, "CHECKPOINT_DIR")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_failed_export_leaves_nothing_behind(cli, checkpoints, base, tmp_path, monkeypatch):
     """A failure while writing (here: the manifest write) removes the staging folder."""
     from kvshare import export as export_module

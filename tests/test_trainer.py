@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,67 @@ def test_a_second_run_into_the_same_folder_needs_resume(tmp_path, tiny_models, t
     assert_one_line_error(cli("train", path), "--resume")
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_is_not_overwritten(tmp_path, tiny_models, toy_data, cli):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2, save_every=2)
+    assert cli("train", path).code == 0
+    run = tmp_path / "run-lora"
+    shutil.rmtree(run / "checkpoints")
+    metrics = (run / "metrics.jsonl").read_text()
+    assert_one_line_error(cli("train", path), "already holds a run")
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_run_killed_in_its_first_save_may_start_over(tmp_path, tiny_models, toy_data, cli):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2, save_every=2)
+    staging = tmp_path / "run-lora" / "checkpoints" / ".step-2.tmp"
+    staging.mkdir(parents=True)
+    (tmp_path / "run-lora" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    result = cli("train", path)
+    assert result.code == 0, result.err
+    assert [json.loads(line)["step"] for line in (tmp_path / "run-lora" / "metrics.jsonl").read_text().splitlines()] == [2]
+
+
+def test_a_base_without_a_pad_token_trains(tmp_path, tiny_llama, toy_data, cli):
+    """Llama and Mistral tokenizers have no pad token; padding is masked, so eos pads."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tiny_llama)
+    assert AutoTokenizer.from_pretrained(tiny_llama).pad_token_id is None
+    path = toy_recipe(tmp_path, tiny_llama, toy_data, "icarus", max_steps=2, batch_size=4, grad_accum=1)
+    result = cli("train", path)
+    assert result.code == 0, result.err
+
+
+def test_a_base_without_a_chat_template_is_one_line_error(tmp_path, tiny_llama, toy_data, cli):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = None
+    (tiny_llama / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tiny_llama / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tiny_llama / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not AutoTokenizer.from_pretrained(tiny_llama).chat_template
+    path = toy_recipe(tmp_path, tiny_llama, toy_data, "icarus", max_steps=2)
+    assert_one_line_error(cli("train", path), "no chat template")
+
+
+@pytest.mark.parametrize("targets", [["qproj"], ["q_proj", "qproj"]])
+def test_target_modules_the_base_lacks_are_refused_before_training(tmp_path, tiny_models, toy_data, cli, targets):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2)
+    result = cli("train", path, f"adapter.target_modules={json.dumps(targets)}")
+    assert_one_line_error(result, "'qproj' not in")
+    assert "q_proj" in result.err  # the message lists what the base has
+    assert not (tmp_path / "run-lora" / "metrics.jsonl").exists()
+
+
+def test_an_override_that_is_not_yaml_is_one_line_error(tmp_path, tiny_models, toy_data, cli):
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora")
+    assert_one_line_error(cli("train", path, "adapter.target_modules=[q_proj"), "not valid YAML")
+
+
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "adapter" / "adapter_model.safetensors"))
 
@@ -136,3 +198,7 @@ def test_plot_overlays_runs(tmp_path, cli):
     assert result.code == 0, result.err
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_one_line_error(cli("plot-loss", tmp_path / "nothing", "--out", out), "metrics.jsonl")
+    before = out.read_bytes()
+    assert_one_line_error(cli("plot-loss", tmp_path / "icarus", "--out", tmp_path / "loss.txt"), "image format")
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["icarus", "lora", "loss.png"]
+    assert cli("plot-loss", tmp_path / "icarus", "--out", tmp_path / "loss.svg").code == 0

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from ..errors import KvshareError
+from ..errors import exit_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,8 +64,4 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Train an ICaRus, aLoRA or LoRA adapter from a recipe.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except KvshareError as err:
-        print(f"kvshare: error: {err}", file=sys.stderr)
-        return 1
+    return exit_code(lambda: run(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import KvshareError
@@ -23,6 +24,13 @@ def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] 
 
     if labels and len(labels) != len(runs):
         raise KvshareError(f"{len(labels)} labels for {len(runs)} runs")
+    out = Path(out)
+    image_format = out.suffix.lower().lstrip(".")
+    formats = plt.gcf().canvas.get_supported_filetypes()
+    plt.close()
+    if image_format not in formats:
+        raise KvshareError(f"--out {out}: unknown image format {out.suffix or '(no extension)'!r} "
+                           f"(use one of {', '.join('.' + f for f in sorted(formats))})")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, run in enumerate(runs):
         rows = [r for r in read_metrics(Path(run)) if "loss" in r]  # eval records have none
@@ -33,8 +41,12 @@ def plot_loss_curves(runs: list[str | Path], out: str | Path, labels: list[str] 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # a reader sees the old image or the new one, never half of one
+        fig.savefig(tmp, dpi=120, format=image_format)
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out

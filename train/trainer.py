@@ -58,9 +58,19 @@ def build_model(recipe: Recipe, base_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    if not tokenizer.chat_template:
+        raise KvshareError(f"{base_dir}: the tokenizer has no chat template, and training formats every "
+                           "example as a chat; use an instruct base or add chat_template to its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:  # Llama/Mistral tokenizers: padding is masked out, any id does
+        tokenizer.pad_token = tokenizer.eos_token
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
                                                 use_safetensors=True, local_files_only=True)
     spec = recipe.adapter
+    names = [name for name, _ in base.named_modules()]
+    missing = [t for t in spec.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise KvshareError(f"adapter.target_modules: {', '.join(map(repr, missing))} not in {base_dir} "
+                           f"(its projections: {', '.join(sorted(_linear_leaves(base)))})")
     invocation = invocation_ids(tokenizer, spec.invocation) if kind_spec(spec.kind).needs_invocation else None
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
@@ -73,6 +83,19 @@ def build_model(recipe: Recipe, base_dir: Path):
     if kind_spec(spec.kind).base_kv_only:
         enable_icarus_attention(model)
     return model, tokenizer, invocation
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """Whether a fresh run would overwrite an earlier one's results: a checkpoint, the summary
+    or the adapter. A run that died before its first checkpoint (metrics, a checkpoint's staging
+    folder) left nothing to resume, so a fresh run may start over it."""
+    return bool(ckpt.checkpoints(run_dir) or (run_dir / "summary.json").exists()
+                or (run_dir / "adapter").exists())
+
+
+def _linear_leaves(model: torch.nn.Module) -> set[str]:
+    """Leaf names of the model's linear layers (q_proj, up_proj, ...), for an error message."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
 def _enable_checkpointing(base) -> None:
@@ -162,7 +185,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     main = accel.is_main_process
     resume = resume or force_resume
     resume_from = resume_point(recipe, run_dir, force=force_resume, warn=main) if resume else None
-    if not resume and (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
+    if not resume and _holds_a_run(run_dir):
         raise KvshareError(f"{run_dir} already holds a run; pass --resume to continue it "
                            "or choose another output_dir")
     set_seed(recipe.train.seed)
