@@ -9,6 +9,8 @@ from ..errors import KvshareError
 
 
 GREEDY_BELOW = 1e-5
+# a penalty outside this rounds to 0 or inf in the logits' dtype, and the softmax to NaN
+PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass
@@ -38,8 +40,8 @@ class SamplingParams:
             raise KvshareError("top_p must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise KvshareError("min_p must be in [0, 1]")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise KvshareError("repetition_penalty must be a finite number > 0")
+        if not PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1]:  # NaN fails this too
+            raise KvshareError(f"repetition_penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 = off)")
         if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 63:
             raise KvshareError("seed must be a 64-bit signed integer")
         if self.top_k < 0:

@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from ..errors import KvshareError
@@ -99,12 +99,21 @@ class _OpenAIRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's optional fields are "X or null"; null asks for the default, as in vLLM."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     def check_neutral(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        wants_logprobs = getattr(self, "logprobs", None)
+        if self.stream and wants_logprobs is not None and wants_logprobs is not False:  # 0 asks for them too
+            raise ApiError(400, "logprobs are not supported with stream: true", param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -263,6 +272,18 @@ def _nesting(value, limit: int) -> int:
     return deepest
 
 
+def _stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that begins a stop string: a stream holds it back
+    until the next tokens show whether the stop string follows (and would be cut), as vLLM does."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
 def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> None:
     """Refuse (400) what would cost more than one request's share: long or many stop strings,
     large or deep ``kvshare_hints``, more logprobs than ``max_logprobs``, a top_k beyond the
@@ -416,13 +437,29 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                            param="n" if n > 1 else "prompt")
         if not runner.has_room(len(jobs), hints.workflow_id):
             raise ApiError(503, f"server overloaded: no room for {len(jobs)} more requests", kind="server_error")
-        started = await asyncio.gather(*(run(p, params, base, adapter, hints) for p, params in jobs),
-                                       return_exceptions=True)
+        tasks = [asyncio.ensure_future(run(p, params, base, adapter, hints)) for p, params in jobs]
+        try:
+            started = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client left while its requests were queued
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(t.result()[1].aclose() for t in tasks if not t.cancelled() and not t.exception()))
+            raise
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(r[1].aclose() for r in started if not isinstance(r, BaseException)))
             raise failed[0]
         return started
+
+    async def collect_all(started: list, base: str) -> list[RequestOutput]:
+        """Every choice's final output; if one fails, the others are cancelled (which aborts
+        their requests) rather than generating on for a reply that will not be sent."""
+        tasks = [asyncio.ensure_future(collect(first, stream, base)) for first, stream in started]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def unless_gone(request: Request, work):
         """Await ``work``; if the client disconnects first, cancel it (which aborts its
@@ -447,7 +484,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         observe(last, base)
         return last
 
-    def stream_events(started: list, base: str, chunk, final=None):
+    def stream_events(started: list, base: str, stops: list[str], chunk, final=None):
         """Server-sent events over every choice's stream, merged as their tokens arrive:
         ``chunk(index, delta, finish_reason, opening)`` makes an event; ``final(outputs)``, if
         given, the last one (the usage chunk). A choice that fails mid-stream ends the whole
@@ -464,11 +501,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                     for index in ready:
                         out = outs[index]
                         text = out.text
-                        if out.finished or not text.endswith("\ufffd"):  # hold back half a character
-                            delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
-                            sent[index] = text if text.startswith(sent[index]) else sent[index]
-                            if delta or out.finished:
-                                yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False))}\n\n"
+                        if not out.finished:  # hold back half a character and what may begin a stop string
+                            text = sent[index] if text.endswith("\ufffd") else text[:len(text) - _stop_prefix(text, stops)]
+                        delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
+                        sent[index] += delta
+                        if delta or out.finished:
+                            yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False))}\n\n"
                         if out.finished:
                             observe(out, base)
                         else:
@@ -601,10 +639,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
         # queued before any finishes and they share batches (and the prompt's blocks)
         jobs = [(prompt, p) for prompt in prompts for p in choice_params(params, req.n)]
-        started = await start_all(jobs, base, adapter, hints_of(req, request), req.n)
+        started = await unless_gone(request, start_all(jobs, base, adapter, hints_of(req, request), req.n))
         if not req.stream:
-            outs = await unless_gone(request, asyncio.gather(*(collect(first, stream, base)
-                                                               for first, stream in started)))
+            outs = await unless_gone(request, collect_all(started, base))
             choices = [{"index": i, "finish_reason": out.finish_reason,
                         "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
                         "logprobs": None if req.logprobs is None else logprob_block(engine.tokenizer, out, req.echo)}
@@ -615,7 +652,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         def body(delta, finish, opening):
             return {"text": delta or "", "finish_reason": None if opening else finish, "logprobs": None}
 
-        return stream_events(started, base, *chunker(rid, created, req, body))
+        return stream_events(started, base, params.stop, *chunker(rid, created, req, body))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -626,11 +663,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             prompt = await off_loop(engine.chat_prompt, messages, adapter)
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        # without a limit, the rest of the context (as OpenAI and vLLM)
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_model_len - len(prompt))
         check_prompt(engine, prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        started = await start_all([(prompt, p) for p in choice_params(params, req.n)], base, adapter,
-                                  hints_of(req, request), req.n)
+        started = await unless_gone(request, start_all([(prompt, p) for p in choice_params(params, req.n)], base,
+                                                        adapter, hints_of(req, request), req.n))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def body(delta, finish, opening):
@@ -638,8 +676,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             return {"delta": content, "finish_reason": None if opening else finish}
 
         if req.stream:
-            return stream_events(started, base, *chunker(rid, created, req, body))
-        outs = await unless_gone(request, asyncio.gather(*(collect(first, stream, base) for first, stream in started)))
+            return stream_events(started, base, params.stop, *chunker(rid, created, req, body))
+        outs = await unless_gone(request, collect_all(started, base))
         choices = []
         for index, out in enumerate(outs):
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},

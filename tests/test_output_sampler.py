@@ -137,8 +137,9 @@ def test_min_p_top_k_and_repetition_penalty_equal_transformers_processors():
 def test_min_p_and_repetition_penalty_are_validated_and_reach_the_engine(base, tokenizer):
     with pytest.raises(KvshareError, match="min_p"):
         SamplingParams(min_p=1.5)
-    with pytest.raises(KvshareError, match="repetition_penalty"):
-        SamplingParams(repetition_penalty=0)
+    for penalty in (0, 1e-50, 1e300, float("nan")):  # 1e-50 rounds to 0 in the logits: NaN probabilities
+        with pytest.raises(KvshareError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=penalty)
     llm = LLM(base, kv_cache_tokens=1024, block_size=4)
     prompt = prompts_for(tokenizer, 1)[0]
     plain = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]

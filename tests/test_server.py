@@ -651,3 +651,91 @@ def test_a_vllm_command_line_runs_unchanged(cli, base, adapters, monkeypatch):
         assert r.json()["usage"]["completion_tokens"] == 12 and r.json()["choices"][0]["finish_reason"] == "length"
     assert_one_line_error(cli("serve"), "needs a model")
     assert_one_line_error(cli("serve", base, "--model", "other"), "two models")
+
+
+def test_a_stream_holds_back_what_may_begin_a_stop_string(server, tokenizer):
+    """A stop string that starts inside one token and ends in a later one: the stream may not
+    send its first characters before it knows they are cut; streamed text = the reply."""
+    url = server["url"]
+    body = {"model": "tiny-base", "prompt": "The list:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).json()["choices"][0]["text"]
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    stop = None
+    for i in range(1, len(ids)):  # a 3-character stop string across a token boundary, first seen there
+        cut = len(tokenizer.decode(ids[:i]))
+        candidate = reply[cut - 1:cut + 2]
+        if len(candidate) == 3 and 0 < cut - 1 == reply.find(candidate) and not candidate.isspace():
+            stop = candidate
+            break
+    assert stop is not None, reply
+    whole = httpx.post(url + "/v1/completions", json={**body, "stop": [stop]}, headers=AUTH,
+                       timeout=60).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == reply[:reply.find(stop)]
+
+    async def streamed():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await _stream_text(client, url, {**body, "stop": [stop]})
+
+    status, text, events = asyncio.run(streamed())
+    assert status == 200 and text == whole["text"], (stop, text, whole["text"])
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_null_fields_take_their_defaults_and_chat_may_use_the_rest_of_the_context(server):
+    """OpenAI's optional fields are "X or null"; a chat without max_tokens may run to the end of
+    the context (the test server's is 256 tokens), as in OpenAI and vLLM."""
+    url = server["url"]
+    chat = {"model": "tiny-base", "messages": [{"role": "user", "content": "Count: one two"}], "temperature": 0,
+            "top_p": None, "n": None, "stream": None, "max_tokens": None, "logprobs": None, "seed": None,
+            "ignore_eos": True}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == server["engine"].max_model_len
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny-base", "prompt": "Hi", "temperature": None, "max_tokens": None, "echo": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16, r.text
+
+
+@pytest.mark.parametrize("body", [{"logprobs": 0}, {"logprobs": 2}])
+def test_logprobs_with_stream_are_400_not_silently_dropped(server, body):
+    r = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny-base", "prompt": "Hi", "max_tokens": 2, "stream": True, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    r = httpx.post(server["url"] + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny-base", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                         "stream": True, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_a_client_that_leaves_while_queued_is_aborted_before_any_token(server, monkeypatch):
+    """The engine thread is held inside another request's step, so this one is still queued
+    when its client gives up: it is aborted without ever being run."""
+    engine, url = server["engine"], server["url"]
+    gate, entered = threading.Event(), threading.Event()
+    real_run = engine.runner.run
+
+    def held(plans, lookup):
+        if not gate.is_set():
+            entered.set()
+            gate.wait(30)
+        return real_run(plans, lookup)
+
+    monkeypatch.setattr(engine.runner, "run", held)
+    generated, aborted = engine.counters["generated_tokens"], engine.counters["aborted"]
+    holder = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": "tiny-base", "prompt": "Rome is", "max_tokens": 2, "ignore_eos": True}))
+    holder.start()
+    assert entered.wait(30)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", headers=AUTH, timeout=0.3, json={
+            "model": "tiny-base", "prompt": "A long story:", "max_tokens": 50, "ignore_eos": True})
+    time.sleep(0.5)  # the server notices the client left within 0.1 s and queues the abort
+    gate.set()
+    deadline = time.time() + 10
+    while engine.counters["aborted"] == aborted:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    holder.join(30)
+    assert engine.counters["generated_tokens"] - generated == 2  # the holder's two, none of the leaver's
+    assert engine.stats()["blocks_in_use"] == 0
