@@ -237,7 +237,9 @@ class LLMEngine:
             self.warm_up(rows, adapters=True)
 
     def has_unfinished(self) -> bool:
-        return self._scheduler.has_work()
+        """Requests to run, or host-tier loads to collect: a load's block stays in use until
+        a step collects it, even when no request is left (a prefetch started by the last step)."""
+        return self._scheduler.has_work() or bool(self._blocks.loads_in_flight())
 
     # one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -417,8 +419,8 @@ class LLMEngine:
         when some stay held (e.g. by a host-tier load in flight): try again later."""
         preempted = 0
         if self._blocks.busy(block_ids):
-            if not preempt:
-                return None
+            if not preempt or self._blocks.loading_into(block_ids):
+                return None  # a load in flight would keep its block after the preemptions
             preempted = self._scheduler.evacuate(block_ids)
             if self._blocks.busy(block_ids):
                 return None

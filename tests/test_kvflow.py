@@ -361,3 +361,34 @@ def test_a_shared_history_too_big_to_keep_whole_still_finishes(base, adapters, t
         runner.shutdown()
     assert len(flow.records) == 6 and engine.stats()["host_loaded_blocks"] > 0
     assert engine.kv_usage()["kv"]["blocks_in_use"] == 0  # no pin outlives its request
+
+
+@pytest.mark.parametrize("host_blocks", [4, 12])
+@pytest.mark.parametrize("policy", ["lru", "step"])
+def test_a_full_host_tier_never_drops_the_block_it_is_loading_back(base, fixed_prompts, host_blocks, policy):
+    """A host tier smaller than the agents' prompts: taking a device block for a load evicts
+    (offloads) another, and the full tier makes room by dropping its oldest entry, which was
+    often the very block being loaded (a KeyError that failed the step)."""
+    expected = _agent_loop(LLM(base, kv_cache_tokens=4096, block_size=BS), fixed_prompts, [None] * 4, turns=12)
+    llm = LLM(base, kv_cache_tokens=20 * BS, block_size=BS, host_cache_tokens=host_blocks * BS,
+              eviction_policy=policy, prefetch_steps=2 if policy == "step" else 0)
+    got = _agent_loop(llm, fixed_prompts, [None] * 4, turns=12)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    stats = llm.engine.stats()
+    assert stats["host_dropped_blocks"] > 0 and stats["blocks_in_use"] == 0, stats
+
+
+def test_an_engine_with_loads_in_flight_is_unfinished_until_they_land(base, fixed_prompts):
+    """A prefetch started by the step that finished the last request holds its device block
+    until a step collects it; an engine that stopped stepping then would keep that block in
+    use for good (a lender could not take its unit back, the cache could not be reset)."""
+    block_bytes = LLM(base, kv_cache_tokens=64, block_size=BS).engine.kv_bytes_per_token * BS
+    slow = block_bytes / 0.05 / 1e9  # 50 ms a block
+    llm = LLM(base, kv_cache_tokens=20 * BS, block_size=BS, eviction_policy="step", host_cache_tokens=1024,
+              prefetch_steps=2, host_bandwidth_gbps=slow)
+    for turns in range(5, 9):
+        _agent_loop(llm, fixed_prompts, [None] * 4, turns=turns, seed=turns)  # stops stepping when unfinished is false
+        stats = llm.engine.stats()
+        assert stats["blocks_in_use"] == 0 and stats["host_loads_in_flight"] == 0, stats
+    assert llm.engine.stats()["host_prefetched_blocks"] > 0
+    llm.engine.reset_prefix_cache()

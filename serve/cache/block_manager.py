@@ -282,9 +282,8 @@ class BlockManager:
         for key in keys:
             if key in self.loading:
                 self.tier.promote(key)
-        for key in to_load:
-            block_id = self._take()
-            self._start_load(key, block_id, demand=True)
+        for i, key in enumerate(to_load):
+            block_id = self._start_load(key, demand=True, keep=to_load[i:])
             self.pinned_by[block_id] = self.pinned_by.get(block_id, 0) + 1  # the load's reference is the pin
             seq.pinned.append(block_id)
             seq.loaded_blocks += 1
@@ -326,9 +325,17 @@ class BlockManager:
             else:
                 self.pool.release(block_id)
 
-    def _start_load(self, key: bytes, block_id: int, demand: bool) -> None:
+    def _start_load(self, key: bytes, demand: bool, keep: list[bytes] = ()) -> int:
+        """Take a device block and start loading ``key`` into it. Taking it may evict (and
+        offload) another block; ``key`` and ``keep`` (the next loads) stay on the host meanwhile."""
+        self.tier.kept.update((key, *keep))
+        try:
+            block_id = self._take()
+        finally:
+            self.tier.kept.clear()
         self.loading[key] = block_id
         self.tier.load(key, block_id, demand)
+        return block_id
 
     def poll_loads(self) -> int:
         """Publish the blocks whose loads landed (the engine calls this every step); they
@@ -372,7 +379,7 @@ class BlockManager:
                     victim = self.policy.peek_rank()
                     if victim is None or victim >= (1, -steps):
                         return started  # what is left on the device is needed as soon
-                self._start_load(key, self._take(), demand=False)
+                self._start_load(key, demand=False)
                 started += 1
         return started
 
@@ -424,6 +431,11 @@ class BlockManager:
     def busy(self, block_ids: list[int]) -> list[int]:
         """Those of ``block_ids`` that a request holds (running, pinned or loading into)."""
         return [b for b in block_ids if self.pool.ref_count[b]]
+
+    def loading_into(self, block_ids: list[int]) -> list[int]:
+        """Those of ``block_ids`` a host-tier load is filling."""
+        loading = set(self.loading.values())
+        return [b for b in block_ids if b in loading]
 
     def withdraw(self, block_ids: list[int]) -> None:
         """Give blocks back to the arena; none may be held. Cached idle ones leave the prefix

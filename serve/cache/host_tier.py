@@ -66,6 +66,9 @@ class HostTier:
         self.meta: dict[bytes, object] = {}  # what the block manager restores with the block
         self.free = list(range(num_blocks - 1, -1, -1))
         self.loading: dict[bytes, Transfer] = {}
+        # keys about to be loaded: taking their device blocks may offload others, and a full
+        # tier makes room by dropping its oldest entry, which must not be one of these
+        self.kept: set[bytes] = set()
         self.stats = TierStats()
         self._queue: queue.PriorityQueue[Transfer] = queue.PriorityQueue()
         self._landed: deque[Transfer] = deque()
@@ -127,7 +130,7 @@ class HostTier:
     def _free_host_block(self) -> int | None:
         if self.free:
             return self.free.pop()
-        victim = next((k for k in self.index if k not in self.loading), None)
+        victim = next((k for k in self.index if k not in self.loading and k not in self.kept), None)
         if victim is None:
             return None
         self.meta.pop(victim, None)
