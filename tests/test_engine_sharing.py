@@ -49,6 +49,30 @@ def test_alora_shares_exactly_the_blocks_before_its_invocation(llm, tokenizer, i
     assert cached(llm2, prompt, "alora-a")[0] == len(prompt) // BS * BS
 
 
+def test_alora_blocks_where_the_adapter_starts_at_different_offsets_are_not_shared(base, adapters, tokenizer,
+                                                                                   invocation):
+    """The same tokens can end the prompt's last invocation at two places in one block: A has an
+    invocation at the block's start and then the beginning of another (never completed); B
+    completes that second one, so its adapter KV starts mid-block. B may not read A's block."""
+    k = len(invocation)
+    assert k > 1
+    bs = k + 1  # an invocation and the start of another fit in one block, two whole ones do not
+    head, tail = prompts_for(tokenizer, 2)
+    lead = head[:2 * bs]
+    a = lead + invocation + invocation[:bs - k] + tail
+    b = lead + invocation + invocation + tail
+    assert find_invocation_start(a, invocation) == 2 * bs
+    assert find_invocation_start(b, invocation) == 2 * bs + k
+    assert a[:3 * bs] == b[:3 * bs]
+    paths = list(adapters.values())
+    shared = LLM(base, paths, kv_cache_tokens=4096, block_size=bs)
+    cached(shared, a, "alora-a")
+    hit, out = cached(shared, b, "alora-a")
+    assert hit == 2 * bs  # the base blocks before both invocations, not A's third block
+    alone = cached(LLM(base, paths, kv_cache_tokens=4096, block_size=bs), b, "alora-a")[1]
+    assert out.token_ids == alone.token_ids
+
+
 def test_icarus_agents_share_prompt_and_generated_blocks(llm, tokenizer):
     prompt = prompts_for(tokenizer, 1)[0] * 2
     hits_before = llm.engine.stats()["prefix_hit_tokens"]

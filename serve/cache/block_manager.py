@@ -128,8 +128,19 @@ class BlockManager:
         for index in range(start, upto_tokens // bs):
             end = (index + 1) * bs
             owner = None if exact_base else self.layout.block_owner(seq, end)
-            parent = self.index.block_key(parent, owner, tokens[end - bs:end])
+            parent = self.index.block_key(parent, self._key_owner(seq, owner, end), tokens[end - bs:end])
             yield index, owner, parent
+
+    def _key_owner(self, seq: Sequence, owner: str | None, block_end: int) -> str | None:
+        """The owner as a key names it: where an aLoRA's KV starts mid-block, the offset too.
+        The same tokens can hold the last invocation at two places in one block (an invocation,
+        then the beginning of another that ends in the next block): base KV before the start,
+        adapter KV after it, so the two blocks differ."""
+        start = seq.invocation_start
+        if owner is not None and owner == seq.adapter_digest and start is not None \
+                and block_end - self.block_size < start < block_end:
+            return f"{owner}@{start - (block_end - self.block_size)}"
+        return owner
 
     # capacity ---------------------------------------------------------------------------
     @property
