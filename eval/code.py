@@ -12,13 +12,15 @@
 Chat prompts (the problem as the user turn, as the code adapters were trained); the answer's
 first fenced code block (else the whole reply) is the solution, completed with the problem's
 prompt if it lacks the function, cut to what the function needs by EvalPlus's ``sanitize``,
-with the prompt's import lines put back in front. Greedy decoding gives pass@1; ``samples`` > 1 with a temperature gives pass@k
+with the prompt's imports and helper definitions put back in front. Greedy decoding gives pass@1; ``samples`` > 1 with a temperature gives pass@k
 for every k in (1, 10, 100) up to the number of samples, each sample seeded (reproducible).
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
+import hashlib
 import json
 import re
 import subprocess
@@ -77,27 +79,40 @@ def code_request(prompt: str) -> str:
             f"```python code block.\n```python\n{prompt.strip()}\n```")
 
 
-def extract_solution(reply: str, prompt: str, entry_point: str) -> str:
+def extract_solution(reply: str, prompt: str, entry_point: str | None) -> str:
     """The program a reply stands for: its first code block, completed with the prompt when
-    the reply is only a function body, reduced by EvalPlus's sanitizer."""
+    the reply is only a function body, reduced by EvalPlus's sanitizer (to what ``entry_point``
+    reaches; with None, to every definition), after the prompt's own context."""
     match = FENCE.search(reply)
     code = match.group(1) if match else reply
-    if not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
+    if entry_point and prompt and not re.search(rf"def\s+{re.escape(entry_point)}\s*\(", code):
         code = prompt + code
     try:
         sanitized = _require("evalplus.sanitize").sanitize(code, entry_point)
     except Exception:  # the sanitizer's parser gave up; run the code as it is
         sanitized = ""
-    # the prompt's own imports (e.g. ``from typing import List``) belong to the problem, and
-    # chat answers often restate the function without them
-    imports = [line for line in prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", line)]
-    return "\n".join(imports + [sanitized or code])
+    return "\n".join(prompt_context(prompt, entry_point) + [sanitized or code])
+
+
+def prompt_context(prompt: str, entry_point: str | None) -> list[str]:
+    """What the problem's prompt defines besides the function to write: its imports (``from
+    typing import List``) and helpers (HumanEval/38's ``encode_cyclic``, which the tests call
+    though the answer need not). Chat answers often restate only the function, and the
+    sanitizer keeps only what the function reaches. A solution's own definitions come later
+    and win."""
+    try:
+        tree = ast.parse(prompt)
+    except SyntaxError:  # keep the import lines at least
+        return [line for line in prompt.splitlines() if re.match(r"(from\s+\S+\s+)?import\s", line)]
+    kept = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign)
+    return [ast.get_source_segment(prompt, node) for node in tree.body
+            if isinstance(node, kept) and getattr(node, "name", None) != entry_point]
 
 
 def checked_program(task: str, problem: dict, solution: str) -> str:
-    if task == "mbpp":
+    if task == "mbpp":  # the setup may use what the solution defines (Mbpp/367: its Node class)
         tests = "\n".join(problem["test_list"])
-        return f"{problem.get('test_setup_code') or ''}\n{solution}\n\n{tests}\n"
+        return f"{solution}\n\n{problem.get('test_setup_code') or ''}\n{tests}\n"
     return f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
@@ -116,12 +131,18 @@ def pass_at_k(correct_by_task: dict[str, list[bool]]) -> dict:
 
 
 def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> dict[str, dict]:
-    """HumanEval+ verdicts for samples not judged yet, cached in OUT/evalplus.jsonl."""
+    """HumanEval+ verdicts for samples not judged yet, cached in OUT/evalplus.jsonl under the
+    sample's id and its solution's digest (a sample generated again is judged again)."""
     log = out_dir / "evalplus.jsonl"
-    done = {}
-    if log.is_file():
-        done = {r["id"]: r for r in map(json.loads, log.read_text().splitlines()) if r}
-    todo = [{"id": s["id"], "task_id": s["task_id"], "solution": s["solution"]} for s in samples if s["id"] not in done]
+    wanted = {s["id"]: hashlib.sha256(s["solution"].encode()).hexdigest() for s in samples}
+
+    def judged() -> dict[str, dict]:
+        lines = map(json.loads, log.read_text().splitlines()) if log.is_file() else ()
+        return {r["id"]: r for r in lines if r and r.get("digest") == wanted.get(r["id"])}
+
+    done = judged()
+    todo = [{"id": s["id"], "task_id": s["task_id"], "solution": s["solution"], "digest": wanted[s["id"]]}
+            for s in samples if s["id"] not in done]
     if todo:
         request = out_dir / "evalplus-request.jsonl"
         request.write_text("".join(json.dumps(t) + "\n" for t in todo))
@@ -140,7 +161,7 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
             request.unlink(missing_ok=True)
         if result.returncode != 0:
             raise KvshareError(f"the EvalPlus checker failed (exit {result.returncode}); see its output above")
-        done = {r["id"]: r for r in map(json.loads, log.read_text().splitlines()) if r}
+        done = judged()
     return done
 
 
@@ -166,7 +187,8 @@ def code_task(task: str, limit: int | None = None, samples: int = 1, temperature
 
     def judge(item, text):
         problem = by_id[item["task_id"]]
-        solution = extract_solution(text, problem["prompt"], problem["entry_point"])
+        # MBPP: every definition stays (Mbpp/367's tests build the answer's Node objects)
+        solution = extract_solution(text, problem["prompt"], None if task == "mbpp" else problem["entry_point"])
         outcome = run_program(checked_program("mbpp" if task == "mbpp" else "humaneval", problem, solution), limits)
         detail = outcome.detail.strip()
         return {"task_id": item["task_id"], "solution": solution, "status": outcome.status,

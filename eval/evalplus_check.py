@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
         result = evalplus_evaluate.check_correctness(
             "humaneval", index, needed[request["task_id"]], request["solution"], expected[request["task_id"]],
             fast_check=True, identifier=request["id"])
-        return {"id": request["id"], "task_id": request["task_id"],
+        return {"id": request["id"], "task_id": request["task_id"], "digest": request["digest"],
                 "base_status": result["base"][0], "plus_status": result["plus"][0]}
 
     with open(results_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=2) as pool:

