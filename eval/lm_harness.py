@@ -15,17 +15,22 @@ behaviour, which is what aLoRA means.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from ..errors import KvshareError
 from ..serve import SamplingParams
 from .harness import load_llm
 
 TASKS_DIR = Path(__file__).with_name("tasks")
+# settings lm-eval tasks pass that change nothing here (greedy search is all the engine does)
+_NEUTRAL_GEN_KWARGS = {"num_beams", "use_cache", "skip_special_tokens", "spaces_between_special_tokens"}
 
 
 @register_model("kvshare")
@@ -96,7 +101,7 @@ class KvshareLM(TemplateLM):
                          "loglikelihood", disable_tqdm)
         results = []
         for out, n in zip(outs, spans):
-            scored = out.prompt_logprobs[-n:]
+            scored = out.prompt_logprobs[-n:] if n else []  # an empty continuation: log 1, greedy
             logprob = sum(entry["logprob"] for entry in scored)
             greedy = all(max(entry["top"], key=entry["top"].get) == entry["token"] for entry in scored)
             results.append((logprob, greedy))
@@ -118,16 +123,24 @@ class KvshareLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         prompts, params = [], []
         for context, gen_kwargs in (req.args for req in requests):
-            kwargs = dict(gen_kwargs)
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_tokens = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            sample = kwargs.pop("do_sample", False)
-            temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
+            # lm-eval's own rules, as its HF and vLLM models: max_gen_toks and its aliases
+            # (max_new_tokens, max_tokens, ...), a temperature > 0 samples unless do_sample is false
+            kwargs = dict(normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=self.max_gen_toks))
+            until, max_tokens = [u for u in kwargs.pop("until") if u], int(kwargs.pop("max_gen_toks"))
+            temperature = float(kwargs.pop("temperature", 0.0))
+            temperature = temperature if kwargs.pop("do_sample") else 0.0
+            if max_tokens >= self.max_length:
+                raise KvshareError(f"max_gen_toks {max_tokens} leaves no room for the prompt in the model's "
+                                   f"{self.max_length} tokens")
             params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                          top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
-                                         top_k=int(kwargs.pop("top_k", 0) or 0),
+                                         top_k=max(0, int(kwargs.pop("top_k", 0) or 0)),
+                                         min_p=float(kwargs.pop("min_p", 0.0) or 0.0),
+                                         repetition_penalty=float(kwargs.pop("repetition_penalty", 1.0) or 1.0),
                                          seed=kwargs.pop("seed", None), stop=until))
+            ignored = sorted(set(kwargs) - _NEUTRAL_GEN_KWARGS)
+            if ignored:
+                warnings.warn(f"kvshare ignores these generation settings: {', '.join(ignored)}", stacklevel=2)
             prompts.append(self.tok_encode(context)[-(self.max_length - max_tokens):])
         outs = self._run(prompts, params, "generate_until", disable_tqdm)
         return [out.text for out in outs]

@@ -12,6 +12,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from kvshare.errors import KvshareError  # noqa: E402
 from kvshare.eval.harness import logged_samples  # noqa: E402
 from kvshare.eval.lm_harness import TASKS_DIR, KvshareLM  # noqa: E402
 from kvshare.export import export_adapter  # noqa: E402
@@ -62,6 +63,29 @@ def test_generate_until_stops_like_lm_eval(lora):
             ("def add(a, b):", {"until": ["\n"], "max_gen_toks": 16})]
     assert ours.generate_until(requests("generate_until", args), disable_tqdm=True) == \
         theirs.generate_until(requests("generate_until", args), disable_tqdm=True)
+
+
+def test_generate_until_reads_gen_kwargs_as_lm_evals_models_do(lora, monkeypatch):
+    base, _ = lora
+    ours = KvshareLM(pretrained=str(base), max_gen_toks=32)
+    seen = []
+    monkeypatch.setattr(ours, "_run", lambda prompts, params, *a: seen.extend(params) or
+                        [type("Out", (), {"text": ""})()] * len(prompts))
+    args = [("a", {"until": "\n", "temperature": 0.7, "seed": 3}),  # a temperature alone samples
+            ("b", {"do_sample": False, "temperature": 0.7}),  # unless do_sample says no
+            ("c", {"max_new_tokens": 5}), ("d", {"max_tokens": 6}), ("e", {})]
+    ours.generate_until(requests("generate_until", args), disable_tqdm=True)
+    assert [p.temperature for p in seen] == [0.7, 0, 0, 0, 0]
+    assert [p.max_tokens for p in seen] == [32, 32, 5, 6, 32] and seen[0].stop == ["\n"] and seen[0].seed == 3
+    with pytest.raises(KvshareError, match="no room for the prompt"):
+        ours.generate_until(requests("generate_until", [("a", {"max_gen_toks": ours.max_length})]), disable_tqdm=True)
+
+
+def test_an_empty_continuation_scores_log_one(lora):
+    base, _ = lora
+    ours = KvshareLM(pretrained=str(base))
+    got = ours._loglikelihood_tokens([(None, [5, 6, 7], []), (None, [5, 6], [7])], disable_tqdm=True)
+    assert got[0] == (0.0, True) and got[1][0] < 0
 
 
 @pytest.mark.integration
