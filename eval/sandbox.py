@@ -184,6 +184,36 @@ def run_program(source: str, limits: Limits | None = None) -> Outcome:
     return _run(source, limits or Limits(), isolation() == "namespaces")
 
 
+def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str, str], timeout: float) -> int | None:
+    """Run ``python -m module *args`` in the jail of :func:`run_program` (where namespaces
+    exist; else as a plain child): ``folder`` (its working folder) is the one place it may
+    write, no network, as root a fresh uid, every descendant killed when it ends. Returns the
+    exit status, or None when it ran over ``timeout`` seconds. For a trusted program that runs
+    untrusted code with its own limits (EvalPlus's checker); the rlimits of
+    :func:`run_program` are not set, since the program sets its own per child."""
+    jail = isolation() == "namespaces"
+    uid = UID_BASE + secrets.randbelow(UID_SPAN) if jail and os.geteuid() == 0 else -1
+    if uid >= 0:
+        for path in (folder, *Path(folder).rglob("*")):
+            os.chown(path, uid, uid)
+    start = f"import runpy, sys\nsys.argv = {[module, *args]!r}\nrunpy.run_module({module!r}, run_name='__main__')\n"
+    prefix = [*unshare_argv(), sys.executable, "-I", "-c", jail_prelude(uid, 64 * 1024 * 1024) + start] if jail \
+        else [sys.executable, "-I", "-c", start]
+    proc = subprocess.Popen(prefix, cwd=folder, env={**env, "HOME": str(folder)}, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if uid >= 0:
+            kill_uid(uid)
+
+
 def jail_prelude(uid: int, scratch_bytes: int) -> str:
     """Python that turns a process started by :func:`unshare_argv` into a jailed one."""
     return f"SCRATCH = {SCRATCH!r}\nJAIL_UID = {uid}\nJAIL_SCRATCH = {scratch_bytes}\n" + JAIL

