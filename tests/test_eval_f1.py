@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvshare.eval.f1 import f1, normalize_answer, score
+from kvshare.eval.f1 import HOTPOT_EXACT_ONLY, f1, normalize_answer, score
 
 
 @pytest.mark.parametrize("text,normal", [
@@ -31,3 +31,12 @@ def test_repeated_tokens_count_once_per_occurrence():
 def test_references_are_required():
     with pytest.raises(ValueError):
         score("x", [])
+
+
+def test_hotpotqa_yes_no_answers_get_no_partial_credit():
+    """hotpot_evaluate_v1.py's f1_score: a yes/no/noanswer on either side scores 0 unless equal."""
+    assert score("yes it is", ["yes"], HOTPOT_EXACT_ONLY)["f1"] == 0.0
+    assert score("yes it is", ["yes"])["f1"] == 0.5  # SQuAD's rule gives partial credit
+    assert score("Yes.", ["yes"], HOTPOT_EXACT_ONLY)["f1"] == 1.0
+    assert score("no", ["no way out"], HOTPOT_EXACT_ONLY)["f1"] == 0.0
+    assert score("the red house", ["red house"], HOTPOT_EXACT_ONLY)["f1"] == 1.0
