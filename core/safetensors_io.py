@@ -60,9 +60,14 @@ def model_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = read_json(index)
-        shards = sorted(set(data.get("weight_map", {}).values()))
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise KvshareError(f"{index}: weight_map must map tensor names to shard file names")
+        shards = sorted(set(weight_map.values()))
         if not shards:
             raise KvshareError(f"{index}: weight_map is empty")
+        if any(Path(shard).name != shard for shard in shards):  # a shard is a file of this folder
+            raise KvshareError(f"{index}: weight_map's shard names may not contain folders ({', '.join(shards)})")
         files = [model_dir / shard for shard in shards]
         for file in files:
             if not file.is_file():

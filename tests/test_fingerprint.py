@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,3 +62,14 @@ def test_architecture_is_part_of_it(tiny_llama, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     assert compute_fingerprints(other).base != compute_fingerprints(tiny_llama).base
     assert compute_fingerprints(other).tokenizer == compute_fingerprints(tiny_llama).tokenizer
+
+
+@pytest.mark.parametrize("index", [{"weight_map": ["model.safetensors"]}, ["weight_map"],
+                                   {"weight_map": {"w": "../elsewhere/model.safetensors"}}, {"weight_map": {}}])
+def test_a_malformed_shard_index_is_a_clear_error(tmp_path, index):
+    from kvshare.errors import KvshareError
+    from kvshare.safetensors_io import model_weight_files
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(KvshareError, match="weight_map|JSON object"):
+        model_weight_files(tmp_path)

@@ -739,3 +739,28 @@ def test_a_client_that_leaves_while_queued_is_aborted_before_any_token(server, m
     holder.join(30)
     assert engine.counters["generated_tokens"] - generated == 2  # the holder's two, none of the leaver's
     assert engine.stats()["blocks_in_use"] == 0
+
+
+def test_a_failed_choice_cancels_the_other_choices_of_its_request(server, monkeypatch):
+    """n=2, not streamed: the second choice (seed + 1) faults after two tokens; the reply is a
+    500, and the first choice is aborted instead of generating on for nobody."""
+    engine, url = server["engine"], server["url"]
+    real_run = engine.runner.run
+
+    def faulty(plans, lookup):
+        if any(p.seq.params.seed == 8 and len(p.seq.output) >= 2 for p in plans):
+            raise RuntimeError("simulated fault tied to one choice")
+        return real_run(plans, lookup)
+
+    monkeypatch.setattr(engine.runner, "run", faulty)
+    finished, aborted = engine.counters["finished"], engine.counters["aborted"]
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60, json={
+        "model": "tiny-base", "prompt": "Two choices:", "n": 2, "seed": 7, "temperature": 0.8, "max_tokens": 200,
+        "ignore_eos": True})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    deadline = time.time() + 20
+    while engine.counters["aborted"] == aborted or engine.has_unfinished():
+        assert time.time() < deadline, engine.counters
+        time.sleep(0.05)
+    assert engine.counters["finished"] == finished  # the first choice never ran to its 200 tokens
+    assert engine.stats()["blocks_in_use"] == 0
