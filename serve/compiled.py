@@ -50,7 +50,7 @@ from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, lora_delta
 from .model import Model, _rms_norm
-from .step_buckets import BucketedStep
+from .step_buckets import BucketedStep, StepUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,15 @@ class CompiledStep(BucketedStep):
             with _stance_lock, torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()), \
                     torch.compiler.set_stance(skip_guard_eval_unsafe=not first):
                 return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
+        except Exception as err:
+            if not first:
+                raise
+            # no C++ toolchain, an op Inductor cannot build, a model we never ran: serve eager, not fail
+            self.unavailable = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.traced.clear()
+            log.warning("kvshare: compiling the CPU step failed (%s); steps run eager from now on "
+                        "(--compile off skips compiling)", self.unavailable)
+            raise StepUnavailable(self.unavailable) from err
         finally:
             _step.context = None
             if not first and counters["stats"]["unique_graphs"] != graphs:
@@ -380,13 +389,18 @@ class CompiledStep(BucketedStep):
             changed = (not self.lora.parts and self.lora.adapt_parts(set(PARTS))) or changed
             if changed:
                 self.forget_adapted()
+        if self.unavailable is not None:  # a compile failed (logged): the engine serves eager
+            return
         device = kv_cache.device
         for size in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
             # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
             tokens, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
             batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
             lora = (*self.lora.row_inputs([], size, device), *self.lora.inputs()) if adapted else ()
-            self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0))
+            try:
+                self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0))
+            except StepUnavailable:
+                return
 
     def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int) -> _StepContext:
         if self._layer_rows[0] is not kv_cache:  # the views are the same every step: made once per KV memory

@@ -382,3 +382,28 @@ def test_a_server_asked_to_warm_up_compiles_before_it_answers(base, adapters):
         assert set(engine.runner.compiled.traced) == {(1, False), (1, True)}
     finally:
         app.state.runner.shutdown()
+
+
+def test_a_compile_that_fails_serves_eager_instead_of_failing_requests(base, adapters, tokenizer, caplog,
+                                                                      monkeypatch):
+    """No C++ toolchain, an op Inductor cannot build: the first call of a graph raises. The
+    step, and every later one, runs eager (logged once); no request ends in an error."""
+    llm = LLM(base, list(adapters.values()), compile="on", **SETTINGS)
+    step = llm.engine.runner.compiled
+    calls = []
+
+    def broken(*args):
+        calls.append(len(args))
+        raise RuntimeError("C compiler not found")
+
+    monkeypatch.setattr(compiled_module, "call_in_fresh_chunk", broken)
+    eager = LLM(base, list(adapters.values()), compile="off", **SETTINGS)
+    prompts, names = prompts_for(tokenizer, 2), [None, "icarus-a"]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with caplog.at_level("WARNING"):
+        got = _generate(llm, prompts, names, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in _generate(eager, prompts, names, params)]
+    assert len(calls) == 1 and "C compiler not found" in step.unavailable and step.steps == 0
+    assert sum("compiling the CPU step failed" in r.message for r in caplog.records) == 1
+    llm.engine.warm_up_all()  # nothing to compile once it gave up
+    assert len(calls) == 1
