@@ -148,16 +148,22 @@ def int4_fits(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
-    """Asymmetric 4-bit groups of a float32 or bfloat16 (out, in) weight, as Q4_1 does: per group
-    ``scale = (max - min) / 15``, ``q = round((w - min) / scale)``. The scale and zero are
-    rounded to the weight's dtype first and ``q`` computed from the rounded values."""
+    """Asymmetric 4-bit groups of a float32 or bfloat16 (out, in) weight, as Q4_1 does: 16
+    levels spread over each group's range. The zero is stored in the weight's dtype, so it is
+    rounded first (bfloat16 keeps 8 bits: near a large mean, more than half a level), and the
+    scale then sized, rounded up, so that the group's range lies within ``q`` = 0..15 around
+    the rounded zero: every value ends within half of its group's stored scale. A constant
+    group keeps its value (to the dtype's rounding), not a multiple of a unit scale."""
     n_out, n_in = weight.shape
     w = weight.detach().to(torch.float32).reshape(n_out, n_in // group, group)
     low, high = w.amin(-1), w.amax(-1)
-    scale = ((high - low) / 15).to(weight.dtype).float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0 with any scale
-    zero = (low + 8 * scale).to(weight.dtype).float()
-    q = torch.round((w - (zero - 8 * scale)[..., None]) / scale[..., None]).clamp_(0, 15)
+    zero = (low + 8 * (high - low) / 15).to(weight.dtype).float()
+    scale = torch.maximum((zero - low) / 8, (high - zero) / 7)
+    stored = scale.to(weight.dtype)
+    up = torch.nextafter(stored, torch.full_like(stored, float("inf")))  # the next value the dtype holds
+    scale = torch.where(stored.float() < scale, up.float(), stored.float())
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group stored exactly: q = 8
+    q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(n_out, n_in).to(torch.int32), 1)
     scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(weight.dtype).contiguous()
     return Int4Weight(packed, scales_zeros, group)

@@ -153,6 +153,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     if q.device.type != "cpu" or k_cache.dtype != q.dtype or extension() is None:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    layout = _last[1] if _last[0] is meta else Layout(meta)
+    last = _last  # read once: engines stepped from two threads each replace it
+    layout = last[1] if last[0] is meta else Layout(meta)
     _last = (meta, layout)
     return attend(q, k_cache, v_cache, layout, meta, scale, torch.empty_like(q))

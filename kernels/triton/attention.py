@@ -247,7 +247,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k
                      BLOCK: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
-    slot = tl.load(slots_ptr + row)
+    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64 offsets whatever the slots' dtype (large caches)
     if slot >= 0:  # -1: a read-only row, nothing to store
         block = slot // block_size
         offset = slot % block_size
