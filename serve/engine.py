@@ -175,6 +175,9 @@ class LLMEngine:
         bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise KvshareError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        for name in ("logprobs", "prompt_logprobs"):  # topk over the vocabulary; past it a step would fail
+            if (getattr(params, name) or 0) > vocab:
+                raise KvshareError(f"{name} ({getattr(params, name)}) is more than the vocabulary's {vocab} tokens")
         if len(tokens) + params.max_tokens > self.max_model_len:
             raise KvshareError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")

@@ -65,6 +65,9 @@ class ModelRunner:
         """Blocks of a KV pool of ``kv_cache_bytes`` (else ``kv_cache_tokens``, else 16384 tokens)."""
         if kv_cache_bytes is not None:
             kv_cache_tokens = kv_cache_bytes // self.kv_bytes_per_token
+            if not kv_cache_tokens:
+                raise KvshareError(f"kv_cache_bytes {kv_cache_bytes} holds no token's KV "
+                                   f"({self.kv_bytes_per_token} bytes a token for this model)")
         return max(1, (kv_cache_tokens or 16384) // self.block_size)
 
     def block_shape(self) -> BlockShape:

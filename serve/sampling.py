@@ -53,6 +53,8 @@ class SamplingParams:
             raise KvshareError("cache_salt must be a non-empty string")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise KvshareError("stop strings must be non-empty strings")  # "" would match at once
 
     @property
     def greedy(self) -> bool:

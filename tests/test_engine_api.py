@@ -169,10 +169,19 @@ def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
                    {"top_p": float("nan")}):
         with pytest.raises(KvshareError):
             SamplingParams(**kwargs)
+    for kwargs in ({"stop": [""]}, {"stop": ["ok", ""]}):  # "" would stop at once
+        with pytest.raises(KvshareError, match="non-empty"):
+            SamplingParams(**kwargs)
     for prompt in ([5, 10 ** 6], [5, -1], [5, 2 ** 63]):
         with pytest.raises(KvshareError, match="outside the vocabulary"):
             engine.add_request(prompt, SamplingParams(max_tokens=2))
+    vocab = engine.runner.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):  # checked before any step (topk would fail there)
+        with pytest.raises(KvshareError, match="vocabulary"):
+            engine.add_request([5, 6], SamplingParams(max_tokens=2, **{name: vocab + 1}))
     assert not engine.has_unfinished()
+    with pytest.raises(KvshareError, match="holds no token"):
+        LLM(base, kv_cache_bytes=engine.kv_bytes_per_token - 1, block_size=16)
     tiny = SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True)  # greedy, not NaN
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
     llm = LLM(base, kv_cache_tokens=256, block_size=16)
