@@ -86,11 +86,13 @@ class Scheduler:
         return plan_step(seq, min(todo, 1) if n == 0 and alone else n)
 
     def _preempt_newest(self, keep: Sequence) -> bool:
-        """Release the newest running sequence other than ``keep``; False if there is none."""
-        candidates = [s for s in self.running if s is not keep]
-        if not candidates:
+        """Release the newest running sequence to make room for ``keep``; False when ``keep``
+        is the newest itself (then it waits, as in vLLM: an older sequence, planned already,
+        never gives way to a younger one)."""
+        newest = max(self.running, key=lambda s: s.arrival)
+        if newest is keep:
             return False
-        self._preempt(max(candidates, key=lambda s: s.arrival))
+        self._preempt(newest)
         return True
 
     def _preempt(self, victim: Sequence) -> None:
@@ -135,13 +137,12 @@ class Scheduler:
                     if self.blocks.release_pins():  # blocks held for requests waiting on loads
                         continue
                     if not self._preempt_newest(keep=seq):
-                        # alone and still short (its pool shrank: a lender took blocks back, or
-                        # loads hold them): it waits for blocks like a new request
+                        # the newest itself (or alone, its pool shrunk: a lender took blocks
+                        # back, or loads hold them): it waits for blocks like a new request
                         self._preempt(seq)
                         break
-                    plan = [p for p in plan if p.seq in self.running]
             if seq not in self.running:
-                return plan  # the pool is short even for the oldest: admit nobody now
+                return plan  # the pool is short for this one: admit nobody now
             plan.append(step)
             budget -= step.num_rows
         for seq in list(self.waiting):

@@ -165,6 +165,27 @@ def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
     assert tight.engine.stats()["preemptions"] > 0
 
 
+def test_an_older_sequence_never_gives_way_to_a_younger_one(base, tokenizer):
+    """Three prompts of three blocks fill a pool of nine. At the fourth block the oldest makes
+    room by preempting the newest; at the fifth the middle one is short, and the only other
+    running sequence is the oldest, already planned: the middle one waits instead."""
+    prompts = [p[:12] for p in prompts_for(tokenizer, 3)]
+    assert all(len(p) == 12 for p in prompts) and len({tuple(p) for p in prompts}) == 3
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    roomy = LLM(base, kv_cache_tokens=4096, block_size=4)
+    expected = [roomy.generate([p], params)[0].token_ids for p in prompts]
+    tight = LLM(base, kv_cache_tokens=9 * 4, block_size=4)
+    scheduler, preempted = tight.engine._scheduler, []
+    real_preempt = scheduler._preempt
+    scheduler._preempt = lambda seq: preempted.append(seq.request_id) or real_preempt(seq)
+    ids = [tight.engine.add_request(p, params) for p in prompts]
+    done = {}
+    while tight.engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in tight.engine.step() if o.finished})
+    assert [done[i] for i in ids] == expected
+    assert preempted and ids[0] not in preempted, preempted
+
+
 def _run_all(engine, items) -> tuple[list[str], dict]:
     """Submit (prompt, adapter, params) items at once and step to the end."""
     ids = [engine.add_request(p, s, adapter=a) for p, a, s in items]
