@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -51,7 +52,8 @@ class WorkflowAdmission:
     """One engine's admission: the scheduler asks :meth:`allows` before it admits a waiting
     call, and tells it of every call that arrives and ends."""
 
-    def __init__(self, capacity_blocks: int, block_size: int, idle_s: float = 120.0):
+    def __init__(self, capacity_blocks: Callable[[], int], block_size: int, idle_s: float = 120.0):
+        # read at every decision: a co-located engine's pool grows and shrinks as it borrows and lends
         self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
         self.workflows: dict[str, _Workflow] = {}
         self.ended: deque[int] = deque(maxlen=RECENT)  # final footprints of the last workflows that ended
@@ -71,7 +73,7 @@ class WorkflowAdmission:
         admitted = [w for w in self.workflows.values() if w.admitted]
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)
         floor = sum(self.ended) // len(self.ended) if self.ended else 0
-        if admitted and sum(max(w.footprint(), floor) for w in admitted) + max(need, floor) > self.capacity:
+        if admitted and sum(max(w.footprint(), floor) for w in admitted) + max(need, floor) > self.capacity():
             self.held += 1
             return False
         workflow.admitted, workflow.first_need = True, need

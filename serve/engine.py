@@ -79,7 +79,7 @@ class LLMEngine:
                                     policy=make_policy(config.eviction_policy), agents=self._agents,
                                     host_tier=tier)
         compiled = self.runner.compiled
-        admission = (WorkflowAdmission(self.runner.num_blocks, config.block_size, config.workflow_idle_s)
+        admission = (WorkflowAdmission(lambda: self._blocks.num_blocks, config.block_size, config.workflow_idle_s)
                      if config.workflow_admission else None)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                     compiled.buckets if compiled is not None else (), admission)

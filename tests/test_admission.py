@@ -157,3 +157,22 @@ def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokeni
     finally:
         runner.shutdown()
 
+
+
+def test_co_located_engines_admit_by_the_blocks_they_hold_now(base, tokenizer):
+    """Co-located engines are built with one block and given their share of the arena after:
+    admission sizes the pool when it decides, not when the engine was built (it held every
+    second workflow back behind the first)."""
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    config = EngineConfig(block_size=4, compile="off", workflow_admission=True)
+    colo = colocate([(str(base), [], config.updated(kv_cache_tokens=256), "a"),
+                     (str(base), [], config.updated(kv_cache_tokens=64), "b")], lending=True)
+    engine = colo.engines["a"]
+    ids = [colo.add_request("a", _context(tokenizer, i), PARAMS, hints=_hints(w, "a", "b"))
+           for i, w in enumerate(["w0", "w1"])]
+    colo.step()
+    assert not engine._scheduler.waiting and engine.stats()["admission_holds"] == 0, ids
+    while colo.has_unfinished():
+        colo.step()
