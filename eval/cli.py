@@ -88,7 +88,18 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_workload(args: argparse.Namespace) -> None:
+    """One-line errors, before any work, for a workload the benchmark cannot run."""
+    for name in ("agents", "qps"):
+        if min(getattr(args, name)) <= 0:
+            raise KvshareError(f"--{name} must be > 0")
+    for name in ("workflows", "turns", "context_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise KvshareError(f"--{name.replace('_', '-')} must be at least 1")
+
+
 def _cmd_bench_workflow(args: argparse.Namespace) -> int:
+    _check_workload(args)
     if args.ray is not None:
         return _bench_workflow_on_ray(args)
     if args.affinity is not None:
@@ -121,6 +132,12 @@ def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
         raise KvshareError("--ray and --peer cannot be combined")
     if args.pattern != "react":
         raise KvshareError("--ray runs the react pattern only")
+    ignored = [flag for flag, value, default in (
+        ("--workflow-admission", args.workflow_admission, False), ("--kernels", args.kernels, "auto"),
+        ("--compile-max-rows", args.compile_max_rows, DEFAULT_COMPILE_MAX_ROWS),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens, 1024)) if value != default]
+    if ignored:  # the replicas are built by kvshare.serve.ray with its own defaults
+        raise KvshareError(f"--ray does not take {', '.join(ignored)}")
     try:
         from .perf.workflow import ray_markdown, run_ray_workflow_bench
         import ray.serve  # noqa: F401
@@ -309,7 +326,8 @@ def register(sub) -> None:
                    help="react: agents take turns round-robin (default); skewed: the first agent takes half the "
                    "turns; reflexion: the first agent acts, the second critiques; mapreduce: all but the last "
                    "agent read the context at once, the last combines their answers")
-    p.add_argument("--turns", type=int, default=4, help="calls per workflow (react, skewed, reflexion)")
+    p.add_argument("--turns", type=int, default=4, help="calls per workflow (react, skewed); reflexion: "
+                   "turns // 2 rounds (at least one) of an act and a critique")
     p.add_argument("--context-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per agent turn")
     p.add_argument("--tool-delay", type=float, default=0.0, help="simulated tool latency, seconds")

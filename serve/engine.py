@@ -430,6 +430,16 @@ class LLMEngine:
         self._blocks.withdraw(block_ids)
         return preempted
 
+    def forget_workflows(self) -> None:
+        """Forget what workflow admission learned (the workflows seen, the footprints of those
+        that ended), so that a benchmark's next point starts as a fresh server would."""
+        admission = self._scheduler.admission
+        if admission is not None:
+            if any(w.in_flight for w in admission.workflows.values()):
+                raise KvshareError("cannot forget the workflows while their calls are in the engine")
+            admission.workflows.clear()
+            admission.ended.clear()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""
         self._blocks.reset()

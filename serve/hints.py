@@ -87,8 +87,8 @@ def _steps(raw: dict) -> dict[str, int] | None:
         if not isinstance(value, dict) or len(value) > MAX_AGENTS:
             raise KvshareError(f"kvshare_hints.steps_to_execution must map at most {MAX_AGENTS} agent ids to steps")
         return {_name(k, "steps_to_execution key"): _count(v, f"steps_to_execution[{k!r}]") for k, v in value.items()}
-    if "graph" in given:
-        return _graph(raw["graph"]).agent_steps(_done(raw["graph"]))
+    if "graph" in given:  # a node runnable now is the next call: 1 step away, as next_agents and the runtime
+        return {a: s + 1 for a, s in _graph(raw["graph"]).agent_steps(_done(raw["graph"])).items()}
     if "next_agents" in given:
         value = raw["next_agents"]
         if not isinstance(value, list) or len(value) > MAX_AGENTS:

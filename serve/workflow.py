@@ -225,7 +225,8 @@ class Workflow:
             prompt = self.history + self._header(agent)
             thought = await self.call(agent, prompt, graph, {f"n{t}" for t in range(turn + 1)})
             self.history = prompt + thought
-            await self.observe(turn)
+            if turn < turns - 1:  # the last thought is the answer: no tool call after it
+                await self.observe(turn)
 
     async def reflexion(self, actor: Agent, critic: Agent, rounds: int) -> None:
         """The actor tries, the critic reflects, the actor tries again with the reflection."""

@@ -176,3 +176,21 @@ def test_co_located_engines_admit_by_the_blocks_they_hold_now(base, tokenizer):
     assert not engine._scheduler.waiting and engine.stats()["admission_holds"] == 0, ids
     while colo.has_unfinished():
         colo.step()
+
+
+def test_forget_workflows_starts_admission_afresh(base, tokenizer):
+    """What a benchmark calls between points: the footprints learned at one point must not
+    decide who waits at the next."""
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    engine.add_request(_context(tokenizer, 0), PARAMS, hints=_hints("w0", "a", "b"))
+    with pytest.raises(KvshareError, match="in the engine"):
+        engine.forget_workflows()
+    _run(engine)
+    engine.add_request(_context(tokenizer, 0), PARAMS, hints=_hints("w0", "b", None))
+    _run(engine)
+    engine.add_request(_context(tokenizer, 1), PARAMS, hints=_hints("w1", "a", None))  # admitting it sees w0 ended
+    _run(engine)
+    admission = engine._scheduler.admission
+    assert admission.ended and admission.workflows
+    engine.forget_workflows()
+    assert not admission.ended and not admission.workflows

@@ -42,7 +42,7 @@ def test_hints_parse_validate_and_take_router_headers():
     assert AgentHints.parse({"workflow_id": "body"}, {"x-session-id": "header"}).workflow_id == "body"
     graph = {"nodes": [{"id": "p", "agent": "planner"}, {"id": "c", "agent": "critic", "after": ["p"]}],
              "done": []}
-    assert AgentHints.parse({"graph": graph}).steps_to_execution == {"planner": 0, "critic": 1}
+    assert AgentHints.parse({"graph": graph}).steps_to_execution == {"planner": 1, "critic": 2}  # next: 1 away
     bad = [{"agent": "x"}, {"agent_id": 5.5}, {"agent_id": ""}, {"agent_id": "x" * 300},
            {"fixed_prefix_tokens": -1}, {"fixed_prefix_tokens": True}, {"steps_to_execution": [1]},
            {"steps_to_execution": {"a": -2}}, {"steps_to_execution": {"a": 1}, "next_agents": ["b"]},

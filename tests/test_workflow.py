@@ -179,3 +179,12 @@ def test_alora_benchmark_runs_and_alora_evaluators_reuse_the_base_kv(tiny_models
         assert rows[("alora", length)]["eval_hit_rate"] > 0.8  # x + y came from the base's cache
         assert rows[("lora", length)]["eval_hit_rate"] == 0.0
     assert (tmp_path / "alora_bench.md").read_text().startswith("| prompt tokens |")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--qps", "0"], "--qps must be > 0"), (["--agents", "0"], "--agents must be > 0"),
+    (["--turns", "0"], "--turns must be at least 1"), (["--workflows", "0"], "--workflows must be at least 1"),
+    (["--ray", "2", "--workflow-admission"], "--ray does not take --workflow-admission"),
+    (["--ray", "2", "--kernels", "int8"], "--ray does not take --kernels")])
+def test_a_workload_the_benchmark_cannot_run_is_one_line_error(cli, args, message):
+    assert_one_line_error(cli("bench", "workflow", *args), message)

@@ -224,6 +224,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     holds = 0
                     if runner is not None:
                         engine.reset_prefix_cache()  # also zeroes the hit and eviction counters
+                        engine.forget_workflows()  # admission's footprints learned at the last point
                         holds = engine.stats().get("admission_holds", 0)
                     flows, makespan, peak = asyncio.run(_run_point(
                         backend, team, contexts, rate, turns, max_tokens, tool, seed=n,
