@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .async_engine import AsyncEngine
 from .sampling import SamplingParams
@@ -88,6 +89,17 @@ class Skewed:
         return self._plan[turn]
 
 
+class Completion(NamedTuple):
+    """One call's answer from a backend: the ids the history goes on with, the prompt tokens
+    served from cache, the time of the first token, and the tokens generated (a server's own
+    count: its text, encoded again, need not have as many)."""
+
+    ids: list[int]
+    cached_tokens: int
+    first_token: float
+    generated: int
+
+
 class EngineBackend:
     """Calls the in-process engine (through its asyncio runner)."""
 
@@ -95,15 +107,13 @@ class EngineBackend:
         self.runner = runner
         self.tokenizer = runner.engine.tokenizer
 
-    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
-                       hints: dict) -> tuple[list[int], int, float]:
-        """Return (completion ids, prompt tokens served from cache, time of first token)."""
+    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int, hints: dict) -> Completion:
         first = None
         out = None
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         async for out in self.runner.generate(prompt, params, adapter, hints):
             first = first or time.perf_counter()
-        return list(out.token_ids), out.metrics["prompt_tokens_cached"], first
+        return Completion(list(out.token_ids), out.metrics["prompt_tokens_cached"], first, len(out.token_ids))
 
 
 class ServerBackend:
@@ -130,8 +140,7 @@ class ServerBackend:
         self.retries, self.retry_delay_s = retries, retry_delay_s
         self.calls: list[dict] = []
 
-    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int,
-                       hints: dict) -> tuple[list[int], int, float]:
+    async def complete(self, prompt: list[int], adapter: str | None, max_tokens: int, hints: dict) -> Completion:
         import openai
 
         start = time.perf_counter()
@@ -147,7 +156,7 @@ class ServerBackend:
         raise AssertionError("unreachable")
 
     async def _complete_once(self, prompt: list[int], adapter: str | None, max_tokens: int, hints: dict,
-                             attempt: int) -> tuple[list[int], int, float]:
+                             attempt: int) -> Completion:
         first, text, cached, usage = None, "", 0, None
         headers = {"x-session-id": hints["workflow_id"], "x-kvshare-agent-id": hints["agent_id"]}
         body = {"kvshare_hints": hints} if self.send_hints else {}
@@ -172,7 +181,7 @@ class ServerBackend:
                            "replica": raw.headers.get("x-kvshare-replica"), "node": raw.headers.get("x-kvshare-node"),
                            "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached, "attempts": attempt + 1,
                            "end": time.perf_counter()})
-        return self.tokenizer.encode(text, add_special_tokens=False), cached, first
+        return Completion(self.tokenizer.encode(text, add_special_tokens=False), cached, first, usage.completion_tokens)
 
 
 class _CutShort(Exception):
@@ -206,10 +215,10 @@ class Workflow:
         steps = {a: s + 1 for a, s in graph.agent_steps(done).items()}
         hints = {"workflow_id": self.workflow_id, "agent_id": agent.name, "steps_to_execution": steps}
         start = time.perf_counter()
-        ids, cached, first = await self.backend.complete(prompt, agent.adapter, self.max_tokens, hints)
-        self.records.append(CallRecord(self.index, agent.name, len(prompt), cached, len(ids), start,
-                                       first, time.perf_counter()))
-        return ids
+        answer = await self.backend.complete(prompt, agent.adapter, self.max_tokens, hints)
+        self.records.append(CallRecord(self.index, agent.name, len(prompt), answer.cached_tokens, answer.generated,
+                                       start, answer.first_token, time.perf_counter()))
+        return answer.ids
 
     async def observe(self, step: int) -> None:
         if self.tool.delay_s:

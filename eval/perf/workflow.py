@@ -45,7 +45,8 @@ from ...serve.config import DEFAULT_COMPILE_MAX_ROWS
 from ...serve.engine import LLMEngine
 from ...serve.graph_cache import release_compiled_graphs
 from ...serve.openmp import release_openmp_workers
-from ...serve.workflow import Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed, Workflow
+from ...serve.workflow import (Agent, Completion, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed,
+                               Workflow)
 from .common import percentile, setup, write_report as _write
 from ...loopback import free_port
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, kv_space_gib, vllm_serve_command
@@ -120,7 +121,7 @@ class HFBackend:
     async def complete(self, prompt, adapter, max_tokens, hints):
         ids, _ = await asyncio.get_running_loop().run_in_executor(self.executor, self._generate, prompt, adapter, max_tokens)
         # generate() gives no first-token time: report the whole call (an upper bound)
-        return ids, 0, time.perf_counter()
+        return Completion(ids, 0, time.perf_counter(), len(ids))
 
 
 async def run_pattern(flow: Workflow, pattern: str, agents: list[Agent], turns: int, seed: int) -> None:
