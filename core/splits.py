@@ -73,6 +73,9 @@ def is_eval_record(source: str, record_id: str) -> bool:
 # --- content guard: catches evaluation records that arrive under another name ----------------
 
 SHINGLE = 13  # words of a question's head used to find it inside longer texts
+# shorter questions are found inside longer texts whole, from this length on (fewer words, e.g.
+# "Who is he?", are ordinary phrases; such a question is caught only as a whole field)
+MIN_CONTAINED = 5
 
 
 def _words(text: str) -> list[str]:
@@ -112,14 +115,16 @@ class EvalGuard:
     """Index of evaluation records by id and by question text.
 
     A training record matches when one of its ids is an evaluation id, or one of its texts
-    is or contains a whole evaluation question (case, punctuation and spacing ignored), so a
-    question wrapped in a template or a longer prompt is caught too. Partial overlaps are
-    not: near-duplicate phrasing is common in these sets and is not leakage.
+    is or contains a whole evaluation question (case, punctuation and spacing ignored; inside
+    a longer text, questions of at least ``MIN_CONTAINED`` words), so a question wrapped in a
+    template or a longer prompt is caught too. Partial overlaps are not: near-duplicate
+    phrasing is common in these sets and is not leakage.
     """
 
     ids: dict[str, str]
     texts: dict[str, str]  # normalised question -> evaluation set
     heads: dict[str, list[str]]  # first SHINGLE words -> the long questions starting so
+    short: dict[tuple[str, ...], str]  # the words of questions of MIN_CONTAINED..SHINGLE-1 words -> set
 
     def match(self, ids: Iterable[str] = (), texts: Iterable[str] = ()) -> str | None:
         """The evaluation set a record belongs to, or None."""
@@ -136,6 +141,15 @@ class EvalGuard:
                 for question in self.heads.get(" ".join(words[start:start + SHINGLE]), ()):
                     if f" {question} " in padded:
                         return self.texts[question]
+            if self.short:
+                spans = range(MIN_CONTAINED, SHINGLE)
+                for start in range(len(words)):
+                    for n in spans:
+                        if start + n > len(words):
+                            break
+                        found = self.short.get(tuple(words[start:start + n]))
+                        if found:
+                            return found
         return None
 
 
@@ -146,6 +160,7 @@ def eval_guard(folder: str | None = None) -> EvalGuard:
     ids: dict[str, str] = {}
     texts: dict[str, str] = {}
     heads: dict[str, list[str]] = {}
+    short: dict[tuple[str, ...], str] = {}
     if root is not None and root.is_dir():
         for name, record_id, question in _eval_questions(root):
             if record_id:
@@ -155,7 +170,9 @@ def eval_guard(folder: str | None = None) -> EvalGuard:
                 texts[" ".join(words)] = name
             if len(words) >= SHINGLE:
                 heads.setdefault(" ".join(words[:SHINGLE]), []).append(" ".join(words))
-    return EvalGuard(ids, texts, heads)
+            elif len(words) >= MIN_CONTAINED:
+                short[tuple(words)] = name
+    return EvalGuard(ids, texts, heads, short)
 
 
 def eval_hub_splits(dataset: str, split: str) -> list[str]:

@@ -40,11 +40,11 @@ def test_gsm8k_training_never_sees_a_test_question(data):
 
 
 def test_mbpp_training_uses_the_train_split_only(data):
-    with pytest.warns(UserWarning, match="dropped 4 records"):
+    with pytest.warns(UserWarning, match="dropped 7 records"):
         examples = load_named("mbpp")
     ids = {int(e.id.split("/")[1]) for e in examples}
     assert ids < set(MBPP_SPLITS["train"])
-    # the four left out state, word for word, the task of a test or validation problem
+    # the seven left out state, word for word, the task of a test or validation problem
     def words(text):
         return " " + " ".join(re.findall(r"\w+", text.lower())) + " "
 
@@ -52,7 +52,7 @@ def test_mbpp_training_uses_the_train_split_only(data):
         rows = [json.loads(line) for line in handle]
     held_out = [words(r["text"]) for r in rows if r["task_id"] not in MBPP_SPLITS["train"]]
     dropped = [r for r in rows if r["task_id"] in MBPP_SPLITS["train"] and r["task_id"] not in ids]
-    assert len(dropped) == 4
+    assert len(dropped) == 7
     assert all(any(h in words(r["text"]) for h in held_out) for r in dropped)
 
 
@@ -128,6 +128,24 @@ def test_evaluation_records_mixed_into_a_file_are_dropped(data, tmp_path):
     assert [e.prompt for e in examples] == [r["q"] for r in own]
     with pytest.warns(UserWarning):
         assert len(load_file(path, "q", "a", limit=2)) == 2  # the limit counts kept records
+
+
+def test_short_evaluation_questions_inside_a_template_are_dropped(data, tmp_path):
+    """HotpotQA and the held-out SQuAD articles have many questions under 13 words: wrapped in
+    a context template, they are found whole; ordinary short phrases are not."""
+    from kvshare.splits import MIN_CONTAINED, SHINGLE, _words
+
+    with open(data / "hotpotqa/dev_hard_500.jsonl") as handle:
+        short = [r for r in map(json.loads, handle) if MIN_CONTAINED <= len(_words(r["question"])) < SHINGLE][:3]
+    assert len(short) == 3
+    rows = [{"q": f"Paragraphs: some text.\n\nQuestion: {r['question']}\nAnswer briefly.", "a": r["answer"]}
+            for r in short]
+    own = [{"q": "Question: What is the answer?\nAnswer briefly.", "a": "Yes."}]  # too short to be anyone's
+    path = tmp_path / "wrapped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + own))
+    with pytest.warns(UserWarning, match="dropped 3 records .*3 from hotpotqa"):
+        examples = load_file(path, "q", "a")
+    assert [e.prompt for e in examples] == [own[0]["q"]]
 
 
 @pytest.mark.parametrize("split", ["test[:50%]", "test[10:20]", "train+test", "train[:5%]+test[:5]"])
