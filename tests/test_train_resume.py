@@ -94,6 +94,25 @@ def test_changed_recipe_is_refused_unless_forced(tmp_path, tiny_models, toy_data
     assert json.loads((run / "checkpoints" / "step-6" / "recipe.json").read_text())["train"]["lr"] == 1e-3
 
 
+def test_a_forced_resume_trains_with_the_changed_learning_rate(tmp_path, tiny_models, toy_data, cli):
+    """The optimizer and schedule come back from the checkpoint with the old rate; the steps
+    after a resume forced over train.lr follow the schedule of the new one."""
+    from kvshare.train.trainer import make_scheduler
+
+    path, run = interrupted(tmp_path, tiny_models, toy_data)
+    with pytest.warns(UserWarning, match="changed recipe .train.lr"):
+        assert cli("train", path, "train.lr=1e-3", "--force-resume").code == 0
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule = make_scheduler(optimizer, load_recipe(path, ["train.lr=1e-3"]), 6)
+    want = []
+    for _ in range(6):
+        optimizer.step()
+        schedule.step()
+        want.append(schedule.get_last_lr()[0])
+    logged = {m["step"]: m["lr"] for m in read_metrics(run / "metrics.jsonl") if "lr" in m}
+    assert logged[5] == pytest.approx(want[4]) and logged[5] > 0
+
+
 def test_checkpoint_of_another_adapter_shape_is_one_line_error(tmp_path, tiny_models, toy_data, cli):
     path, _ = interrupted(tmp_path, tiny_models, toy_data)
     assert_one_line_error(cli("train", path, "adapter.rank=8", "--force-resume"),

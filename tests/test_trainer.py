@@ -202,3 +202,15 @@ def test_plot_overlays_runs(tmp_path, cli):
     assert_one_line_error(cli("plot-loss", tmp_path / "icarus", "--out", tmp_path / "loss.txt"), "image format")
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["icarus", "lora", "loss.png"]
     assert cli("plot-loss", tmp_path / "icarus", "--out", tmp_path / "loss.svg").code == 0
+
+
+def test_data_shuffle_seed_orders_the_data_apart_from_train_seed(tmp_path, tiny_models, toy_data):
+    """data.shuffle_seed (HF's data_seed): another data order, the same initialisation."""
+    base = tiny_models("llama")
+    losses = {}
+    for name, over in (("a", []), ("b", ["data.shuffle_seed=5"]), ("c", ["data.shuffle_seed=0"])):
+        (tmp_path / name).mkdir()
+        path = toy_recipe(tmp_path / name, base, toy_data, "lora", max_steps=2, log_every=1, seed=0)
+        train(load_recipe(path, over), recipe_path=str(path))
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "run-lora" / "metrics.jsonl").read_text().splitlines()]
+    assert losses["a"] == losses["c"] and losses["a"] != losses["b"]  # None = train.seed (0)

@@ -80,7 +80,7 @@ class DataSpec(_Strict):
     sources: list[DataSource] = Field(min_length=1)
     max_length: int = Field(512, ge=8)
     system_prompt: str | None = None
-    shuffle_seed: int = 0
+    shuffle_seed: int | None = None  # the data order's seed (as HF's data_seed); None: train.seed
 
 
 class TrainSpec(_Strict):

@@ -119,6 +119,17 @@ def make_scheduler(optimizer, recipe: Recipe, total_steps: int):
     return make[recipe.train.schedule](optimizer, warmup, total_steps)
 
 
+def _rates_from_recipe(optimizer, scheduler, tp) -> None:
+    """The learning rate and weight decay the recipe gives, after a resume restored the saved
+    optimizer and schedule (they differ when --force-resume changed train.lr or weight_decay)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = tp.lr, tp.weight_decay
+    scheduler.base_lrs = [tp.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = tp.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def micro_batches(n_items: int, batch: int, world: int, rank: int, seed: int, epoch: int):
     """This rank's micro-batches of one epoch: a seeded permutation, dealt round-robin."""
     order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
@@ -215,6 +226,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, model=peft_model, optimizer=optimizer,
                                      scheduler=scheduler, rank=rank, processes=world)
+        _rates_from_recipe(optimizer, scheduler, tp)
     metrics_path = run_dir / "metrics.jsonl"
     resolved = recipe.model_dump(mode="json")
     if main:
@@ -250,7 +262,8 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     batches, batches_epoch = [], None
     while state["step"] < limit:
         if batches_epoch != state["epoch"]:
-            batches = list(micro_batches(len(items), tp.batch_size, world, rank, tp.seed, state["epoch"]))
+            order_seed = tp.seed if recipe.data.shuffle_seed is None else recipe.data.shuffle_seed
+            batches = list(micro_batches(len(items), tp.batch_size, world, rank, order_seed, state["epoch"]))
             batches_epoch = state["epoch"]
         if state["micro"] + tp.grad_accum > len(batches):
             state["epoch"], state["micro"] = state["epoch"] + 1, 0
