@@ -214,3 +214,23 @@ def test_data_shuffle_seed_orders_the_data_apart_from_train_seed(tmp_path, tiny_
         train(load_recipe(path, over), recipe_path=str(path))
         losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "run-lora" / "metrics.jsonl").read_text().splitlines()]
     assert losses["a"] == losses["c"] and losses["a"] != losses["b"]  # None = train.seed (0)
+
+
+def test_grad_accumulation_weighs_every_response_token_alike(tmp_path, tiny_models, toy_data):
+    """4 x 2 micro-batches and one batch of 8 take the same examples in a step: with the loss
+    summed over the step's tokens (transformers' num_items_in_batch), the same loss and the
+    same weights; averaging each micro-batch's mean gave short answers more weight."""
+    base = tiny_models("llama")
+    runs = {}
+    for name, batch, accum in (("accum", 4, 2), ("whole", 8, 1)):
+        (tmp_path / name).mkdir()
+        path = toy_recipe(tmp_path / name, base, toy_data, "icarus", max_steps=2, log_every=1, batch_size=batch,
+                          grad_accum=accum, save_every=100)
+        recipe = load_recipe(path, ["adapter.dropout=0"])
+        train(recipe, recipe_path=str(path))
+        run = tmp_path / name / "run-icarus"
+        runs[name] = ([json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()],
+                      load_file(str(run / "adapter" / "adapter_model.safetensors")))
+    assert runs["accum"][0] == pytest.approx(runs["whole"][0], rel=1e-5)
+    for key, value in runs["whole"][1].items():
+        torch.testing.assert_close(runs["accum"][1][key], value, rtol=1e-4, atol=1e-6)

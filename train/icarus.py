@@ -66,13 +66,14 @@ def encode_base_kv(peft_model, input_ids: torch.Tensor,
 
 
 def icarus_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   labels: torch.Tensor | None = None, peft_model=None):
+                   labels: torch.Tensor | None = None, peft_model=None, **loss_kwargs):
     """Decoder forward over the encoder's K/V; returns the transformers output (loss, logits).
 
     ``model`` may be a DDP-wrapped PeftModel; ``peft_model`` is then the unwrapped one,
-    used for the gradient-free encoder pass.
+    used for the gradient-free encoder pass. ``loss_kwargs`` go to the model (e.g.
+    ``num_items_in_batch``).
     """
     peft_model = peft_model if peft_model is not None else model
     kv = encode_base_kv(peft_model, input_ids, attention_mask)
     return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                 icarus_kv=kv, use_cache=False)
+                 icarus_kv=kv, use_cache=False, **loss_kwargs)

@@ -27,7 +27,7 @@ from ..hardware import resolve_mixed_precision, warn_if_bf16_is_slow
 from ..models import resolve_model_dir
 from ..kinds import kind_spec
 from . import checkpoint as ckpt
-from .collate import collate, invocation_ids, tokenize_all
+from .collate import IGNORE, collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
 from .evaluation import evaluate_adapter
 from .icarus import enable_icarus_attention, icarus_forward
@@ -244,11 +244,14 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         if recipe.train.report_to:
             accel.log(tracker_values(record), step=record["step"])
 
-    def forward(batch):
+    def forward(batch, num_items: torch.Tensor):
+        """The loss summed over the batch's response tokens / ``num_items`` (transformers'
+        ``num_items_in_batch``, as HF's Trainer), so every token of an optimizer step weighs
+        the same whatever micro-batch or process it is in."""
         if kind_spec(recipe.adapter.kind).base_kv_only:
             return icarus_forward(model, batch["input_ids"], batch["attention_mask"],
-                                  batch["labels"], peft_model=peft_model)
-        return model(**batch)
+                                  batch["labels"], peft_model=peft_model, num_items_in_batch=num_items)
+        return model(**batch, num_items_in_batch=num_items)
 
     bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
                file=sys.stderr, dynamic_ncols=True)
@@ -269,14 +272,17 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
             state["epoch"], state["micro"] = state["epoch"] + 1, 0
             continue
         step_loss = 0.0
-        for i in range(tp.grad_accum):
-            indices = batches[state["micro"] + i]
-            batch = {k: v.to(accel.device) for k, v in
-                     collate([items[j] for j in indices], tokenizer.pad_token_id).items()}
+        micro = [{k: v.to(accel.device) for k, v in
+                  collate([items[j] for j in batches[state["micro"] + i]], tokenizer.pad_token_id).items()}
+                 for i in range(tp.grad_accum)]
+        # the step's response tokens on every process (labels shift by one inside the loss)
+        num_items = accel.reduce(sum((b["labels"][:, 1:] != IGNORE).sum() for b in micro), reduction="sum")
+        for i, batch in enumerate(micro):
             sync = i == tp.grad_accum - 1
             context = accel.no_sync(model) if not sync else _null()
             with context, accel.autocast():
-                loss = forward(batch).loss / tp.grad_accum
+                # DDP averages gradients over processes: times world, the step's token mean
+                loss = forward(batch, num_items).loss * world
                 accel.backward(loss)
             step_loss += loss.detach()
             window_tokens += int(batch["attention_mask"].sum()) * world
