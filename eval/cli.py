@@ -11,6 +11,10 @@ from ..serve.config import DEFAULT_COMPILE_MAX_ROWS, EngineConfig
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    for name in ("limit", "batch", "max_tokens", "samples"):  # 0 would read "all" or nothing
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise KvshareError(f"--{name.replace('_', '-')} must be at least 1")
     if args.task == "gsm8k":
         from .gsm8k import evaluate_gsm8k
 
@@ -65,6 +69,9 @@ def run_lm_eval(args: argparse.Namespace) -> int:
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from .perf.engine import markdown, run_engine_bench
+
+    if args.new_tokens < 2:  # decode speed is timed from the second token on
+        raise KvshareError("--new-tokens must be at least 2")
 
     results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,

@@ -14,6 +14,8 @@ from kvshare.errors import KvshareError
 from kvshare.eval.harness import logged_samples, mean_ci95
 from kvshare.eval.qa import evaluate_f1, load_items
 
+from conftest import assert_one_line_error
+
 REFERENCE = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 
 
@@ -171,3 +173,13 @@ def test_alora_adapters_are_evaluated_with_their_invocation(tiny_models, tmp_pat
     ids = engine.chat_prompt(messages, name)
     assert ids[-len(inv):] == inv
     assert engine.chat_prompt(messages)[-len(inv):] != inv
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["eval", "gsm8k", "--limit", "0", "--out", "x"], "--limit must be at least 1"),
+    (["eval", "f1", "--batch", "0", "--out", "x"], "--batch must be at least 1"),
+    (["bench", "engine", "--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["bench", "alora", "--threads", "0"], "--threads must be at least 1")])
+def test_values_that_would_mean_all_or_nothing_are_one_line_errors(cli, argv, message):
+    """--limit 0 read the whole data set; --new-tokens 1 ended the engine bench in a traceback."""
+    assert_one_line_error(cli(*argv), message)

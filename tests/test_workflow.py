@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from transformers import AutoTokenizer
@@ -189,3 +190,12 @@ def test_alora_benchmark_runs_and_alora_evaluators_reuse_the_base_kv(tiny_models
     (["--ray", "2", "--kernels", "int8"], "--ray does not take --kernels")])
 def test_a_workload_the_benchmark_cannot_run_is_one_line_error(cli, args, message):
     assert_one_line_error(cli("bench", "workflow", *args), message)
+
+
+def test_percentiles_are_nearest_rank():
+    from kvshare.eval.perf.common import percentile
+
+    values = list(range(1, 33))  # 32 calls: P95 is the 31st value (30.4 rounded up), P50 the 16th
+    assert percentile(values, 0.95) == 31 and percentile(values, 0.5) == 16 and percentile(values, 1.0) == 32
+    assert percentile([4, 1, 3, 2], 0.5) == 2 and percentile([7], 0.99) == 7 and percentile([5, 1], 0.0) == 1
+    assert math.isnan(percentile([], 0.5))

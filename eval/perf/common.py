@@ -4,12 +4,14 @@ the end through the engine facade, and writing JSON + markdown reports."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ...errors import KvshareError
 from ...models import resolve_model_dir
 from ...serve.engine import LLMEngine, RequestOutput
 from ...serve.sampling import SamplingParams
@@ -25,13 +27,16 @@ def filler_prompt(tokenizer, n_tokens: int) -> list[int]:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (NaN for no values)."""
+    """The nearest-rank ``q`` quantile: the smallest value with at least ``q`` of the values at
+    or below it (NaN for no values)."""
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+    return values[max(0, math.ceil(q * len(values)) - 1)] if values else float("nan")
 
 
 def setup(model: str, threads: int) -> Path:
     """Pin torch's CPU threads (figures are per thread count) and resolve the model folder."""
+    if threads < 1:
+        raise KvshareError("--threads must be at least 1")
     torch.set_num_threads(threads)
     return resolve_model_dir(model)
 
