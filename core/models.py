@@ -36,6 +36,10 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
             raise KvshareError(
                 f"model {text!r} is not pulled yet: run `kvshare models pull {text}`"
             )
+        try:
+            check_model_dir(installed)
+        except KvshareError as err:  # a file of the pulled folder went missing or was damaged
+            raise KvshareError(f"{err}; run `kvshare models pull {text} --force` to pull it again") from None
         return installed
     if path.exists():
         raise KvshareError(f"{path}: not a folder")

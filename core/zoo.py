@@ -210,9 +210,16 @@ def _convert(gguf_path: Path, out_dir: Path, steps: tqdm) -> dict:
 
 
 def _is_intact(target: Path) -> bool:
-    """True when the folder's record exists and every weight file's checksum matches."""
+    """True when the folder's record exists, its config and tokenizer are there, and every
+    weight file's checksum matches."""
+    from .models import check_model_dir
+
     record_path = target / RECORD_FILE
     if not record_path.is_file():
+        return False
+    try:
+        check_model_dir(target)
+    except KvshareError:
         return False
     try:
         record = json.loads(record_path.read_text())

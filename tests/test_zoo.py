@@ -110,3 +110,14 @@ def test_demo_answers_with_the_reference_model(smollm2_dir, cli):
     assert result.code == 0, result.err
     answer = result.out.split("assistant:", 1)[1]
     assert "Paris" in answer
+
+
+def test_a_pulled_folder_missing_its_config_is_a_clear_error(cli, isolated_home):
+    """A pulled model whose config.json (or tokenizer) went missing: not accepted as pulled."""
+    from kvshare import zoo
+
+    folder = zoo.installed_dir("smollm2-135m-instruct")
+    folder.mkdir(parents=True)
+    (folder / zoo.RECORD_FILE).write_text(json.dumps({"files_sha256": {}}))
+    assert_one_line_error(cli("models", "path", "smollm2-135m-instruct"), "config.json", "--force")
+    assert not zoo._is_intact(folder)
