@@ -387,6 +387,9 @@ class LLMEngine:
         if self._blocks.tier is not None:
             self._blocks.tier.device_kv = view
         self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
+        if self._blocks.residual is not None and self.config.forkkv_residual_tokens is None:
+            self._blocks.residual = None  # its default size: from the blocks held now, not those it was built with
+            self._ensure_residual_pool()
 
     def kv_demand(self) -> KVDemand:
         """Blocks the requests here need to take their next step: the running ones (each with

@@ -279,3 +279,22 @@ def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters,
     assert stats["stream_layers_loaded"] > 0 and stats["stream_bytes_written_back"] > 0
     with pytest.raises(KvshareError, match="co-located engines may lend"):
         colo.add_request("long", long_prompt(tokenizer, 90), GREEDY)  # more than the buffer's 24 rows
+
+
+def test_a_co_located_forkkv_engine_sizes_its_residual_pool_from_its_share(base, adapters, tokenizer):
+    """Co-located engines are built with one block; ForkKV's residual pool (default: 4x the
+    KV pool) was sized from that block and refused any request of more than 4 blocks."""
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    config = EngineConfig(block_size=4, compile="off")
+    colo = colocate([(str(base), [str(adapters["lora-a"])], config.updated(kv_cache_tokens=160, kv_layout="forkkv"),
+                      "agents"), (str(base), [], config.updated(kv_cache_tokens=48), "long")], lending=True)
+    engine = colo.engines["agents"]
+    assert engine._blocks.residual.num_blocks == 4 * 40
+    prompt = (prompts_for(tokenizer, 1)[0] * 4)[:40]  # 10 blocks
+    rid = colo.add_request("agents", prompt, GREEDY, adapter="lora-a")
+    done = {}
+    while colo.has_unfinished():
+        done.update({o.request_id: o for o in colo.step() if o.finished})
+    assert done[rid].finish_reason == "length"
