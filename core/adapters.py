@@ -81,6 +81,8 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
                 f"{folder}: {key} is set; kvshare adapters are LoRA A/B weights on linear "
                 "projections only"
             )
+    if config.get("alpha_pattern"):  # serving scales each module by lora_alpha / its rank
+        raise KvshareError(f"{folder}: alpha_pattern is not supported (one lora_alpha for every module)")
     return PeftCheckpoint(folder, config, weights, tensor_specs(weights))
 
 

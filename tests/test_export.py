@@ -270,3 +270,12 @@ def test_inspect_without_base_and_with_a_broken_manifest(cli, checkpoints, base,
     assert_one_line_error(cli("inspect", out), "kv_sharing")
     (out / "kvshare.json").write_text("[1, 2")
     assert_one_line_error(cli("inspect", out), "malformed JSON")
+
+
+def test_alpha_pattern_is_refused(cli, checkpoints, base, tmp_path):
+    """Serving scales every module by lora_alpha / its rank: a per-module alpha would be lost."""
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config["alpha_pattern"] = {"v_proj": 64}
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "alpha_pattern")
