@@ -53,13 +53,21 @@ class EvalTask:
 
 
 def mean_ci95(values: list[float]) -> dict:
-    """Mean with lm-eval's standard error (sample std / sqrt(n)) and a normal 95% interval."""
+    """Mean with lm-eval's standard error (sample std / sqrt(n)) and a 95% interval: normal for
+    scores such as F1, Wilson's for pass/fail scores (accuracy, pass@1), whose normal interval
+    collapses to a point at 0 of n or n of n (0 of 100 passes: 0.000-0.037, not 0.000-0.000)."""
     n = len(values)
     if n == 0:
         raise KvshareError("no samples were scored")
     mean = sum(values) / n
     stderr = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
-    return {"mean": mean, "stderr": stderr, "ci95": [mean - 1.96 * stderr, mean + 1.96 * stderr], "n": n}
+    ci95 = [mean - 1.96 * stderr, mean + 1.96 * stderr]
+    if n > 1 and all(v in (0, 1) for v in values):
+        z2 = 1.96 ** 2
+        center = (mean + z2 / (2 * n)) / (1 + z2 / n)
+        half = 1.96 * math.sqrt(mean * (1 - mean) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+        ci95 = [center - half, center + half]
+    return {"mean": mean, "stderr": stderr, "ci95": ci95, "n": n}
 
 
 def load_llm(model: str, adapter: str | None, dtype: str = "float32",
@@ -249,4 +257,5 @@ def evaluate(task: EvalTask, model: str, adapter: str | None, out_dir: str | Pat
 
 
 def ci_cell(metric: dict) -> str:
-    return f"{metric['mean']:.3f} ± {1.96 * metric['stderr']:.3f}"
+    low, high = metric["ci95"]
+    return f"{metric['mean']:.3f} ({low:.3f}-{high:.3f})"

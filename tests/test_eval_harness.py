@@ -38,6 +38,11 @@ def test_mean_and_interval():
     result = mean_ci95([1.0, 0.0, 1.0, 1.0])
     assert result["mean"] == 0.75 and result["n"] == 4
     assert result["ci95"][0] < 0.75 < result["ci95"][1]
+    none = mean_ci95([0.0] * 100)  # pass/fail: Wilson's interval, not a point at 0 of n
+    assert none["ci95"][0] == pytest.approx(0.0, abs=1e-12) and none["ci95"][1] == pytest.approx(0.037, abs=0.001)
+    assert mean_ci95([1] * 20)["ci95"][0] == pytest.approx(0.839, abs=0.001)
+    f1 = mean_ci95([0.5, 0.25, 0.75])  # a graded score: the normal interval
+    assert f1["ci95"] == pytest.approx([0.5 - 1.96 * f1["stderr"], 0.5 + 1.96 * f1["stderr"]])
 
 
 def test_gsm8k_runs_through_the_engine_and_resumes(tiny_models, tmp_path):
