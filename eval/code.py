@@ -238,8 +238,10 @@ def code_task(task: str, limit: int | None = None, samples: int = 1, temperature
                            if column in results for k, v in results[column].items())
         return f"{results['problems']} | {cells}"
 
+    # scoring 2: the prompt's helpers kept, MBPP's definitions and setup order (2026-11-26)
     return EvalTask(task, items, prompt, judge, params, summarize, row,
-                    {"limit": limit, "problems": len(problems), "samples": samples, "temperature": temperature})
+                    {"limit": limit, "problems": len(problems), "samples": samples, "temperature": temperature},
+                    scoring=2)
 
 
 def evaluate_code(task: str, model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,

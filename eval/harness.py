@@ -50,6 +50,9 @@ class EvalTask:
     summarize: Callable[[list[dict], Path], dict]  # (judged samples, output folder) -> scores
     row: Callable[[dict], str]  # scores -> the markdown cells after "| task | adapter |"
     settings: dict  # what a reader needs to reproduce the scores (limit, shots, ...)
+    # the judge's version: samples logged under another are judged again on resume (their
+    # outputs kept), so one score never mixes verdicts of two scoring rules
+    scoring: int = 1
 
 
 def mean_ci95(values: list[float]) -> dict:
@@ -110,8 +113,9 @@ def engine_settings(llm: LLM, task: EvalTask, adapter: str | None) -> dict:
     return run_settings(task, engine.model_name, engine.fingerprint, adapter, digest, engine.config.dtype)
 
 
-def _header(settings: dict) -> dict:
-    return {HEADER_KEY: HEADER_FORMAT, "settings_hash": settings_hash(settings), "settings": settings}
+def _header(settings: dict, scoring: int = 1) -> dict:
+    return {HEADER_KEY: HEADER_FORMAT, "settings_hash": settings_hash(settings), "settings": settings,
+            "scoring": scoring}
 
 
 def _short(value) -> str:
@@ -173,13 +177,16 @@ def logged_samples(path: str | Path) -> list[dict]:
     return list(_read_log(Path(path))[1].values())
 
 
-def _open_log(path: Path, settings: dict, overwrite: bool) -> dict[str, dict]:
-    """Finished samples of ``path`` made with ``settings``; refuses a log made otherwise."""
+def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None = None) -> dict[str, dict]:
+    """Finished samples of ``path`` made with ``settings``; refuses a log made otherwise.
+    Samples judged under another version of ``task``'s judge are judged again, and the log
+    rewritten with the new verdicts (atomically; the outputs are kept)."""
     if overwrite:
         return {}
     header, records = _read_log(path)
     if header is None and not records:
         return {}
+    records = _rejudged(path, header, records, settings, task)
     retry = "rerun with --overwrite to generate every sample again, or use another --out"
     if header is None:
         raise KvshareError(f"{path} has no settings header (written by an older kvshare), so its samples "
@@ -189,6 +196,20 @@ def _open_log(path: Path, settings: dict, overwrite: bool) -> dict[str, dict]:
     if header.get("settings_hash") != settings_hash(settings):
         raise KvshareError(f"{path} holds samples made with other settings "
                            f"({settings_diff(header.get('settings') or {}, settings)}); {retry}")
+    return records
+
+
+def _rejudged(path: Path, header: dict | None, records: dict[str, dict], settings: dict,
+              task: EvalTask | None) -> dict[str, dict]:
+    if task is None or header is None or header.get("scoring", 1) == task.scoring \
+            or header.get("settings_hash") != settings_hash(settings):
+        return records  # current (or refused below)
+    items = {item["id"]: item for item in task.items}
+    for sample_id, record in records.items():
+        if sample_id in items:
+            record.update(task.judge(items[sample_id], record["output"]))
+    lines = [_header(settings, task.scoring), *records.values()]
+    write_text_atomic(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
     return records
 
 
@@ -202,8 +223,8 @@ def run_samples(llm: LLM, task: EvalTask, out_dirs: dict[str | None, Path], batc
     for adapter, folder in out_dirs.items():
         logs[adapter] = folder / "samples.jsonl"
         settings = engine_settings(llm, task, adapter)
-        headers[adapter] = _header(settings)
-        done[adapter] = _open_log(logs[adapter], settings, overwrite)
+        headers[adapter] = _header(settings, task.scoring)
+        done[adapter] = _open_log(logs[adapter], settings, overwrite, task)
     for adapter, folder in out_dirs.items():
         folder.mkdir(parents=True, exist_ok=True)
         if overwrite or not done[adapter]:

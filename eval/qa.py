@@ -54,8 +54,9 @@ def f1_task(dataset: str = "hotpotqa", limit: int | None = None, max_tokens: int
     def row(results):
         return f"{results['f1']['n']} | F1 {ci_cell(results['f1'])} | EM {ci_cell(results['exact_match'])}"
 
+    # scoring 2: HotpotQA's yes/no rule (2026-11-26)
     return EvalTask(f"f1-{dataset}", items, prompt, judge, SamplingParams(max_tokens=max_tokens), summarize, row,
-                    {"limit": limit})
+                    {"limit": limit}, scoring=2)
 
 
 def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",

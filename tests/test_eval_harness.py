@@ -161,6 +161,26 @@ def test_f1_on_held_out_qa(tmp_path):
     assert result["f1"]["n"] == 2 and (tmp_path / "out" / "results.md").read_text().startswith("| f1-squad |")
 
 
+def test_samples_judged_by_an_older_rule_are_judged_again_on_resume(tmp_path):
+    """A log from before HotpotQA's yes/no rule: resuming it keeps the outputs and judges them
+    again, so one score never mixes two scoring rules; the log says which rule judged it."""
+    from kvshare.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "long-context", max_position_embeddings=8192)
+    out = tmp_path / "out"
+    first = evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert lines[0]["scoring"] == 2
+    del lines[0]["scoring"]  # as written before the rule
+    lines[1]["f1"] = 0.123
+    (out / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    again = evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    assert again["f1"] == first["f1"]
+    rewritten = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert rewritten[0]["scoring"] == 2 and rewritten[1]["f1"] != 0.123
+    assert [r["output"] for r in rewritten[1:]] == [r["output"] for r in lines[1:]]
+
+
 def test_alora_adapters_are_evaluated_with_their_invocation(tiny_models, tmp_path):
     """As trained: conversation, then the invocation, no assistant header (else PEFT's rule
     would never switch the adapter on)."""
