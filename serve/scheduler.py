@@ -28,7 +28,7 @@ from typing import Callable
 
 from .admission import WorkflowAdmission
 from .batch import StepPlan, plan_step
-from .cache import BlockManager, OutOfBlocks, PrefixLoading, PrefixPending
+from .cache import BlockManager, OutOfBlocks, OutOfResidualBlocks, PrefixLoading, PrefixPending
 from .sequence import Sequence, Status
 
 
@@ -85,11 +85,12 @@ class Scheduler:
             n = lo
         return plan_step(seq, min(todo, 1) if n == 0 and alone else n)
 
-    def _preempt_newest(self, keep: Sequence) -> bool:
+    def _preempt_newest(self, keep: Sequence, forkkv_only: bool = False) -> bool:
         """Release the newest running sequence to make room for ``keep``; False when ``keep``
         is the newest itself (then it waits, as in vLLM: an older sequence, planned already,
-        never gives way to a younger one)."""
-        newest = max(self.running, key=lambda s: s.arrival)
+        never gives way to a younger one). ``forkkv_only``: the residual pool is short, and
+        only ForkKV sequences hold its blocks."""
+        newest = max((s for s in self.running if s.forkkv or not forkkv_only or s is keep), key=lambda s: s.arrival)
         if newest is keep:
             return False
         self._preempt(newest)
@@ -133,10 +134,11 @@ class Scheduler:
                 try:
                     self.blocks.ensure_capacity(seq, seq.num_computed + step.n_compute)
                     break
-                except OutOfBlocks:
-                    if self.blocks.release_pins():  # blocks held for requests waiting on loads
+                except OutOfBlocks as short:
+                    residual = isinstance(short, OutOfResidualBlocks)
+                    if not residual and self.blocks.release_pins():  # blocks held for requests waiting on loads
                         continue
-                    if not self._preempt_newest(keep=seq):
+                    if not self._preempt_newest(keep=seq, forkkv_only=residual):
                         # the newest itself (or alone, its pool shrunk: a lender took blocks
                         # back, or loads hold them): it waits for blocks like a new request
                         self._preempt(seq)

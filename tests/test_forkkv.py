@@ -274,3 +274,23 @@ def test_forkkv_benchmark_measures_memory_concurrency_and_workflows(tiny_models,
     assert {p["mode"] for p in results["workflow"]["points"]} == {"icarus", "lora", "forkkv"}
     for name in ("forkkv_bench.json", "forkkv_bench.md", "forkkv_memory.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_a_short_residual_pool_preempts_forkkv_agents_only(base, adapters, tokenizer):
+    """Only ForkKV sequences hold residual blocks: when that pool is short, preempting a newer
+    base request frees nothing it needs (it used to be the first preempted)."""
+    prompts = [p[:12] for p in prompts_for(tokenizer, 3)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    requests = [(prompts[0], "lora-a"), (prompts[1], "lora-b"), (prompts[2], None)]  # the base request is newest
+    roomy = forkkv_llm(base, adapters)
+    expected = [roomy.generate([p], params, adapter=a)[0].token_ids for p, a in requests]
+    tight = forkkv_llm(base, adapters, forkkv_residual_tokens=7 * BS)
+    scheduler, preempted = tight.engine._scheduler, []
+    real_preempt = scheduler._preempt
+    scheduler._preempt = lambda seq: preempted.append(seq.forkkv) or real_preempt(seq)
+    ids = [tight.engine.add_request(p, params, adapter=a) for p, a in requests]
+    done = {}
+    while tight.engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in tight.engine.step() if o.finished})
+    assert [done[i] for i in ids] == expected
+    assert preempted and all(preempted), preempted

@@ -16,9 +16,9 @@ from .block_manager import BlockManager, CacheStats, OutOfBlocks, PrefixLoading,
 from .host_tier import HostTier
 from .layout import KVLayout
 from .policy import POLICIES, EvictionPolicy, LRUPolicy, StepAwarePolicy, make_policy
-from .pool import BlockPool
+from .pool import BlockPool, OutOfResidualBlocks
 from .prefix_index import PrefixIndex
 
 __all__ = ["AgentTable", "BlockManager", "BlockPool", "CacheStats", "EvictionPolicy", "HostTier", "KVLayout",
-           "LRUPolicy", "OutOfBlocks", "POLICIES", "PrefixIndex", "PrefixLoading", "PrefixPending",
+           "LRUPolicy", "OutOfBlocks", "OutOfResidualBlocks", "POLICIES", "PrefixIndex", "PrefixLoading", "PrefixPending",
            "StepAwarePolicy", "make_policy"]

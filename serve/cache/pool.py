@@ -15,6 +15,10 @@ class OutOfBlocks(Exception):
     """The pool cannot supply the blocks asked for (the scheduler preempts and retries)."""
 
 
+class OutOfResidualBlocks(OutOfBlocks):
+    """ForkKV's residual pool is short: only a ForkKV sequence's preemption frees its blocks."""
+
+
 class BlockPool:
     def __init__(self, capacity: int, name: str = "kv", owned: Iterable[int] | None = None):
         """``capacity``: block ids the view addresses; ``owned``: those this pool may use

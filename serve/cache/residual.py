@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..sequence import Sequence
 from .policy import LRUPolicy
-from .pool import BlockPool, OutOfBlocks
+from .pool import BlockPool, OutOfResidualBlocks
 from .prefix_index import PrefixIndex
 
 
@@ -90,7 +90,7 @@ class ResidualCache:
         if self.pool.num_free:
             return self.pool.take_free()
         if not len(self.policy):
-            raise OutOfBlocks
+            raise OutOfResidualBlocks
         block_id = self.policy.pop_victim()
         self.index.forget(self.keys_of[block_id])
         self.keys_of[block_id] = None
@@ -101,7 +101,7 @@ class ResidualCache:
     def ensure_capacity(self, seq: Sequence, n_tokens: int) -> None:
         need = (n_tokens + self.block_size - 1) // self.block_size - len(seq.res_table)
         if need > self.num_free:
-            raise OutOfBlocks
+            raise OutOfResidualBlocks
         for _ in range(need):
             seq.res_table.append(self._take())
 
