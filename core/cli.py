@@ -76,7 +76,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     provenance = read_json(Path(args.provenance)) if args.provenance else None
     out = export_adapter(
         args.checkpoint, kind=args.kind, base=args.base, out=args.out, name=args.name,
-        invocation=args.invocation, provenance=provenance, force=args.force,
+        invocation=args.invocation, provenance=provenance, force=args.force, system_prompt=args.system_prompt,
     )
     print(f"exported {args.kind} adapter to {out}")
     return 0
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provenance", metavar="JSON_FILE",
                    help="JSON object with recipe, data, steps, seed, final_loss, train_seconds")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--system-prompt", metavar="TEXT",
+                   help="the system message the adapter was trained with: served before every conversation "
+                   "that brings none (kvshare train records its recipe's data.system_prompt itself)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("inspect", help="print and validate an adapter's manifest",

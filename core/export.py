@@ -62,8 +62,10 @@ def export_adapter(
     provenance: dict | None = None,
     eval_scores: dict | None = None,
     force: bool = False,
+    system_prompt: str | None = None,
 ) -> Path:
-    """Check a PEFT LoRA checkpoint and write it with its manifest to ``out``."""
+    """Check a PEFT LoRA checkpoint and write it with its manifest to ``out``; ``system_prompt``:
+    the system message it was trained with, which serving puts before conversations without one."""
     kind = parse_kind(kind) if isinstance(kind, str) else kind
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     ckpt = read_peft_checkpoint(checkpoint_dir)
@@ -100,6 +102,7 @@ def export_adapter(
         invocation_token_ids=invocation_ids,
         provenance={"source_checkpoint": str(checkpoint_dir.resolve()), **(provenance or {})},
         eval_scores=eval_scores,
+        system_prompt=system_prompt,
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)

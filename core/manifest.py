@@ -65,6 +65,7 @@ def build(
     invocation_token_ids: list[int] | None = None,
     provenance: dict | None = None,
     eval_scores: dict | None = None,
+    system_prompt: str | None = None,
 ) -> dict:
     """Assemble a manifest dict (validated) from its parts; the sharing rule comes from the kind."""
     kind = parse_kind(kind) if isinstance(kind, str) else kind
@@ -98,6 +99,8 @@ def build(
         }
     if eval_scores:
         data["eval"] = eval_scores
+    if system_prompt:
+        data["chat"] = {"system_prompt": system_prompt}
     validate(data, source=f"manifest for {name!r}")
     return data
 

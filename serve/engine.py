@@ -149,12 +149,18 @@ class LLMEngine:
         return self._adapters.get(name)
 
     def chat_prompt(self, messages: list[dict], adapter: str | None = None) -> list[int]:
-        """Token ids of a chat for ``adapter``, laid out as that adapter was trained: an aLoRA
-        gets the conversation then its invocation (no assistant header); others get the chat
-        template's generation prompt."""
+        """Token ids of a chat for ``adapter``, laid out as that adapter was trained: its
+        training system prompt first when the conversation brings none; an aLoRA gets the
+        conversation then its invocation (no assistant header); others get the chat template's
+        generation prompt."""
         invocation = None
-        if adapter is not None and self.adapter(adapter).spec.needs_invocation:
-            invocation = list(self.adapter(adapter).invocation)
+        if adapter is not None:
+            loaded = self.adapter(adapter)
+            if loaded.spec.needs_invocation:
+                invocation = list(loaded.invocation)
+            system = loaded.manifest.get("chat", {}).get("system_prompt")
+            if system and not (messages and messages[0].get("role") == "system"):
+                messages = [{"role": "system", "content": system}, *messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=invocation is None,
                                                  tokenize=True, return_dict=True)["input_ids"]
         return list(ids) + (invocation or [])

@@ -279,3 +279,11 @@ def test_alpha_pattern_is_refused(cli, checkpoints, base, tmp_path):
     config["alpha_pattern"] = {"v_proj": 64}
     (ckpt / "adapter_config.json").write_text(json.dumps(config))
     assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "alpha_pattern")
+
+
+def test_system_prompt_is_recorded_for_serving(cli, checkpoints, base, tmp_path):
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["lora"], "lora", base, out, "--system-prompt", "You are terse.").code == 0
+    assert manifest.read(out)["chat"] == {"system_prompt": "You are terse."}
+    assert export(cli, checkpoints["lora"], "lora", base, tmp_path / "b").code == 0
+    assert "chat" not in manifest.read(tmp_path / "b")

@@ -234,3 +234,27 @@ def test_grad_accumulation_weighs_every_response_token_alike(tmp_path, tiny_mode
     assert runs["accum"][0] == pytest.approx(runs["whole"][0], rel=1e-5)
     for key, value in runs["whole"][1].items():
         torch.testing.assert_close(runs["accum"][1][key], value, rtol=1e-4, atol=1e-6)
+
+
+def test_a_system_prompt_trained_with_is_served_with(tmp_path, tiny_models, toy_data, cli):
+    """data.system_prompt goes into the manifest; the engine puts it before a conversation
+    that brings no system message, so serving and evaluation see the layout training saw."""
+    from kvshare.serve import LLM
+    from kvshare.train.collate import tokenize_example
+    from kvshare.train.data import Example
+
+    base = tiny_models("llama")
+    path = toy_recipe(tmp_path, base, toy_data, "icarus", max_steps=1)
+    result = cli("train", path, "data.system_prompt=You add numbers.")
+    assert result.code == 0, result.err
+    adapter = tmp_path / "run-icarus" / "adapter"
+    assert manifest.read(adapter)["chat"] == {"system_prompt": "You add numbers."}
+    engine = LLM(base, [adapter]).engine
+    question = "What is 2 plus 3?"
+    trained = tokenize_example(Example("x", question, ""), engine.tokenizer, system_prompt="You add numbers.")
+    prompt_len = trained.labels.index(next(t for t in trained.labels if t != -100))
+    served = engine.chat_prompt([{"role": "user", "content": question}], "toy-icarus")
+    assert served == trained.input_ids[:prompt_len]
+    own = engine.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}],
+                             "toy-icarus")
+    assert engine.tokenizer.decode(own).count("You add numbers.") == 0  # the conversation's own wins

@@ -372,7 +372,8 @@ def _export_to(recipe: Recipe, peft_model, peft_dir: Path, out: Path, provenance
 
     peft_model.save_pretrained(str(peft_dir))
     return export_adapter(peft_dir, kind=recipe.adapter.kind, base=recipe.base_model, out=out, name=recipe.name,
-                          invocation=recipe.adapter.invocation, provenance=provenance, force=True)
+                          invocation=recipe.adapter.invocation, provenance=provenance, force=True,
+                          system_prompt=recipe.data.system_prompt)
 
 
 def _evaluate_now(recipe: Recipe, peft_model, run_dir: Path, base_dir: Path, step: int) -> dict:
