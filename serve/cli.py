@@ -86,7 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
-    given = [name for name in RAY_ONLY_FLAGS if getattr(args, name) not in (None, False)]
+    given = [name for name in RAY_ONLY_FLAGS if getattr(args, name) is not None and getattr(args, name) is not False]
     if given and not args.ray:
         raise KvshareError(f"--{given[0].replace('_', '-')} needs --ray")
     if args.ray and (args.colocate or args.lending):
@@ -106,6 +106,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
     enable_loading = args.enable_lora_loading or \
         os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+    if args.ray and enable_loading:
+        raise KvshareError("runtime LoRA loading (--enable-lora-loading, VLLM_ALLOW_RUNTIME_LORA_UPDATING) does not "
+                           "work with --ray: a load would reach one replica")
     if args.ray:
         return _serve_on_ray(args, api_key, lora_modules, enable_loading)
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,

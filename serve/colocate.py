@@ -151,7 +151,7 @@ class Colocation:
         """End every request of ``engine`` (its blocks freed) with finish reason ``"error"``."""
         outs = []
         for request_id, seq in list(engine.sequences.items()):
-            engine.abort(request_id)
+            engine.abort(request_id, reason="error")  # counted as failed, as its finish reason says
             outs.append(RequestOutput(request_id, list(seq.prompt), list(seq.output), "", True, "error", seq.adapter))
         return outs
 

@@ -59,6 +59,8 @@ class EngineConfig:
                 raise KvshareError(f"{name} must be at least 1")
         if self.host_cache_tokens < 0 or self.prefetch_steps < 0:
             raise KvshareError("host_cache_tokens and prefetch_steps must not be negative")
+        if self.prefetch_steps and not self.host_cache_tokens:
+            raise KvshareError("prefetch_steps loads KV back from the host tier: it needs host_cache_tokens")
         if not self.workflow_idle_s > 0:
             raise KvshareError("workflow_idle_s must be positive")
         if not self.host_bandwidth_gbps > 0 or not self.stream_bandwidth_gbps > 0:

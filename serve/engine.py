@@ -67,8 +67,11 @@ class LLMEngine:
                                   config.compile, min(config.compile_max_rows, config.max_num_batched_tokens),
                                   config.max_loras,
                                   config.max_lora_rank)
-        self.max_model_len = config.max_model_len or int(
-            getattr(self.runner.model.config, "max_position_embeddings", 4096))
+        positions = int(getattr(self.runner.model.config, "max_position_embeddings", 4096))
+        if config.max_model_len and config.max_model_len > positions:  # as vLLM: RoPE was not trained past them
+            raise KvshareError(f"max_model_len {config.max_model_len} is more than the model's "
+                               f"{positions} positions (max_position_embeddings)")
+        self.max_model_len = config.max_model_len or positions
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self._agents = AgentTable()
         tier = None
@@ -219,13 +222,19 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(tokens)
         return request_id
 
-    def abort(self, request_id: str) -> bool:
+    def max_request_tokens(self) -> int:
+        """Prompt + output tokens one request may have: the context, or the KV pool (with every
+        block co-located engines may lend) where that is smaller."""
+        return min(self.max_model_len, (self.max_kv_blocks or self._blocks.num_blocks) * self.config.block_size)
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now (its blocks freed); ``reason`` "error" counts it as failed."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return False
-        self._scheduler.finish(seq, "abort")
+        self._scheduler.finish(seq, reason)
         self._agents.on_finish(seq.agent)
-        self._count_end("abort")
+        self._count_end(reason)
         return True
 
     def warm_up(self, rows: tuple[int, ...] = (), adapters: bool = False) -> None:

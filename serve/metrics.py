@@ -44,6 +44,9 @@ COUNTERS = {
     "preemptions": "running requests preempted for room",
     "host_hit_tokens": "prompt tokens served from blocks loaded back from the host tier",
     "admission_holds": "times a new workflow's call was held back (once per step it waited)",
+    "forkkv_base_read_tokens": "ForkKV: prompt tokens whose base part was read from the cache",
+    "forkkv_residual_hit_tokens": "ForkKV: prompt tokens whose residual was read from the cache",
+    "forkkv_residual_evictions": "ForkKV: residual blocks evicted",
     **{f"host_{f.name}": f"host tier: {f.name.replace('_', ' ')}" for f in fields(TierStats)},
 }
 KIND_PREFIX = "prefix_hit_tokens_"  # + a KVLayout.reuse_kinds entry: hits by the kind of KV reused

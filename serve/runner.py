@@ -28,7 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # e.g. "gpu"
+        raise KvshareError(f"device must be cpu or cuda, not {str(device)!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KvshareError("device 'cuda' was asked for, but torch sees no CUDA GPU")
     if device.type not in ("cpu", "cuda"):

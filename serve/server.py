@@ -335,6 +335,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     else:
         colocation = Colocation({(base_names or [engine.model_name])[0]: engine})
     aliases = {alias: base_names[0] for alias in base_names[1:]}  # further names of the one base
+    hidden = sorted(set(aliases) & {a.name for each in colocation.engines.values() for a in each.adapters()})
+    if hidden:  # the alias would win: requests for the adapter would run on the base
+        raise KvshareError(f"served model name {hidden[0]!r} is also an adapter's name")
     for each in colocation.engines.values():  # before the engine thread starts: it owns the engine then
         if each.config.warm_up:
             each.warm_up_all()
@@ -664,7 +667,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
         # without a limit, the rest of the context (as OpenAI and vLLM)
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_model_len - len(prompt))
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_request_tokens() - len(prompt))
         check_prompt(engine, prompt, max_tokens)
         params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         started = await unless_gone(request, start_all([(prompt, p) for p in choice_params(params, req.n)], base,

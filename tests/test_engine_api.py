@@ -186,3 +186,13 @@ def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
     llm = LLM(base, kv_cache_tokens=256, block_size=16)
     assert llm.generate([[5, 6, 7]], tiny)[0].token_ids == llm.generate([[5, 6, 7]], greedy)[0].token_ids
+
+
+def test_a_context_past_the_models_positions_and_an_unknown_device_are_clear_errors(base):
+    engine = LLM(base, kv_cache_tokens=64, block_size=4).engine
+    positions = engine.runner.model.config.max_position_embeddings
+    with pytest.raises(KvshareError, match="max_position_embeddings"):
+        LLM(base, kv_cache_tokens=64, block_size=4, max_model_len=positions + 1)
+    with pytest.raises(KvshareError, match="device must be cpu or cuda"):
+        LLM(base, kv_cache_tokens=64, block_size=4, device="gpu")
+    assert engine.max_request_tokens() == min(engine.max_model_len, 64)  # the pool bounds a request too

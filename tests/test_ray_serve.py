@@ -98,6 +98,8 @@ def test_routing_key_is_the_header_else_the_body_hint():
 def test_ray_flags_need_ray_and_ray_needs_its_extra(cli, monkeypatch):
     assert_one_line_error(cli("serve", "m", "--replicas", "2"), "--replicas needs --ray")
     assert_one_line_error(cli("serve", "m", "--ray", "--replicas", "0"), "--replicas must be at least 1")
+    assert_one_line_error(cli("serve", "m", "--replicas", "0"), "--replicas needs --ray")  # 0 is given too
+    assert_one_line_error(cli("serve", "m", "--ray", "--enable-lora-loading"), "would reach one replica")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if kvshare[ray] were not installed
     monkeypatch.delitem(sys.modules, "kvshare.serve.ray")
     assert_one_line_error(cli("serve", "m", "--ray"), "pip install 'kvshare[ray]'")

@@ -14,6 +14,7 @@ import openai
 import pytest
 import uvicorn
 
+from kvshare.errors import KvshareError
 from kvshare.loopback import free_port
 from kvshare.serve import LLM, LLMEngine, SamplingParams
 from kvshare.serve.server import create_app
@@ -764,3 +765,18 @@ def test_a_failed_choice_cancels_the_other_choices_of_its_request(server, monkey
         time.sleep(0.05)
     assert engine.counters["finished"] == finished  # the first choice never ran to its 200 tokens
     assert engine.stats()["blocks_in_use"] == 0
+
+
+def test_an_alias_may_not_hide_an_adapter_and_chat_defaults_fit_the_pool(base, adapters):
+    engine = LLMEngine(base, [adapters["lora-a"]], kv_cache_tokens=64, block_size=4)
+    with pytest.raises(KvshareError, match="also an adapter's name"):
+        create_app(engine, served_model_name=["tiny-base", "lora-a"])
+    from fastapi.testclient import TestClient
+
+    assert engine.max_request_tokens() == 64 < engine.max_model_len
+    with TestClient(create_app(engine, served_model_name="tiny-base")) as local:
+        r = local.post("/v1/chat/completions", json={"model": "tiny-base", "ignore_eos": True,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
