@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter, deque
 from pathlib import Path
@@ -69,8 +70,11 @@ class LLMEngine:
                                   config.max_lora_rank)
         positions = int(getattr(self.runner.model.config, "max_position_embeddings", 4096))
         if config.max_model_len and config.max_model_len > positions:  # as vLLM: RoPE was not trained past them
-            raise KvshareError(f"max_model_len {config.max_model_len} is more than the model's "
-                               f"{positions} positions (max_position_embeddings)")
+            too_long = (f"max_model_len {config.max_model_len} is more than the model's {positions} positions "
+                        "(max_position_embeddings)")
+            if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() not in ("1", "true"):
+                raise KvshareError(f"{too_long}; set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve it anyway")
+            logger.warning("kvshare: %s; served anyway (VLLM_ALLOW_LONG_MAX_MODEL_LEN)", too_long)
         self.max_model_len = config.max_model_len or positions
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         self._agents = AgentTable()

@@ -188,11 +188,14 @@ def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
     assert llm.generate([[5, 6, 7]], tiny)[0].token_ids == llm.generate([[5, 6, 7]], greedy)[0].token_ids
 
 
-def test_a_context_past_the_models_positions_and_an_unknown_device_are_clear_errors(base):
+def test_a_context_past_the_models_positions_and_an_unknown_device_are_clear_errors(base, monkeypatch):
     engine = LLM(base, kv_cache_tokens=64, block_size=4).engine
     positions = engine.runner.model.config.max_position_embeddings
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     with pytest.raises(KvshareError, match="max_position_embeddings"):
         LLM(base, kv_cache_tokens=64, block_size=4, max_model_len=positions + 1)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's escape hatch
+    assert LLM(base, kv_cache_tokens=64, block_size=4, max_model_len=positions + 1).engine.max_model_len == positions + 1
     with pytest.raises(KvshareError, match="device must be cpu or cuda"):
         LLM(base, kv_cache_tokens=64, block_size=4, device="gpu")
     assert engine.max_request_tokens() == min(engine.max_model_len, 64)  # the pool bounds a request too
