@@ -25,6 +25,7 @@ from .sampling import SamplingParams
 
 
 logger = logging.getLogger(__name__)
+UNHEALTHY_AFTER = 3  # whole steps failing in a row: the engine, not one request, is broken
 
 
 class Overloaded(Exception):
@@ -85,6 +86,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._failed_steps = 0  # steps in a row that failed as a whole
         # the thread that built the engine keeps torch's OpenMP workers; beside the engine
         # thread's own they would slow every step (see .openmp)
         release_openmp_workers()
@@ -103,8 +105,17 @@ class AsyncEngine:
         self._streams.clear()
 
     def alive(self) -> bool:
-        """Whether the engine thread is running (``/health`` answers 503 when it is not)."""
+        """Whether the engine thread is running."""
         return self._thread.is_alive()
+
+    def health(self) -> str | None:
+        """Why this engine should get no more requests (``/health`` answers 503, Ray replaces the
+        replica), or None: its thread died, or its last ``UNHEALTHY_AFTER`` steps all failed."""
+        if not self.alive():
+            return "the engine thread is not running"
+        if self._failed_steps >= UNHEALTHY_AFTER:
+            return f"the last {self._failed_steps} engine steps failed (see the server log)"
+        return None
 
     def _cycle(self) -> None:
         """Take the queued commands, then run one engine step if there is work."""
@@ -128,12 +139,14 @@ class AsyncEngine:
             try:
                 outputs = self.colocation.step()
             except Exception as err:  # not one request's fault (the engine isolates those): fail all
+                self._failed_steps += 1
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._streams):
                     self.colocation.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine failure: {err}"))
                 self._streams.clear()
                 return
+            self._failed_steps = 0
             for out in outputs:
                 failed = out.finish_reason == "error"  # the engine failed this request alone
                 self._deliver(out.request_id, RuntimeError("engine failure while running this request "

@@ -105,9 +105,11 @@ class KvshareEngine:
         self.node = ray.get_runtime_context().get_node_id()
 
     def check_health(self) -> None:
-        """Ray Serve's health check: a replica whose engine thread died is replaced."""
-        if not self.runner.alive():
-            raise RuntimeError("the engine thread is not running")
+        """Ray Serve's health check: a replica whose engine thread died, or whose steps keep
+        failing, is replaced."""
+        problem = self.runner.health()
+        if problem is not None:
+            raise RuntimeError(problem)
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> AsyncIterator[dict | bytes]:

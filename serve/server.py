@@ -583,8 +583,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        if not runner.alive():  # the engine is gone: a load balancer must stop sending here
-            return _error(503, "the engine thread is not running", kind="server_error")
+        problem = runner.health()
+        if problem is not None:  # a load balancer must stop sending here
+            return _error(503, problem, kind="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")

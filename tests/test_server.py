@@ -245,6 +245,32 @@ def test_health_is_503_when_the_engine_thread_is_gone(base):
         assert r.status_code == 500
 
 
+def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypatch):
+    """Steps that fail as a whole (not one request's fault) fail every request; three in a
+    row and /health says so, so a load balancer or Ray stops sending here."""
+    from fastapi.testclient import TestClient
+
+    from kvshare.serve.async_engine import UNHEALTHY_AFTER
+
+    engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
+    body = {"model": str(base), "prompt": "hi", "max_tokens": 2}
+    with TestClient(create_app(engine)) as client:
+        colocation = client.app.state.runner.colocation
+        real_step = colocation.step
+
+        def broken():
+            raise RuntimeError("simulated broken device")
+
+        monkeypatch.setattr(colocation, "step", broken)
+        for _ in range(UNHEALTHY_AFTER):
+            assert client.post("/v1/completions", json=body).status_code == 500
+        r = client.get("/health")
+        assert r.status_code == 503 and "engine steps failed" in r.json()["error"]["message"]
+        monkeypatch.setattr(colocation, "step", real_step)
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.get("/health").status_code == 200
+
+
 def test_serving_beyond_loopback_without_a_key_warns(cli, tmp_path, monkeypatch):
     monkeypatch.delenv("KVSHARE_API_KEY", raising=False)
     missing = tmp_path / "no-such-model"  # fails right after the warning: no server starts
