@@ -135,6 +135,9 @@ class CompletionRequest(_OpenAIRequest):
     logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
     best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
+    # vLLM's field: add the tokenizer's special tokens (BOS) to text prompts. Off by default,
+    # unlike vLLM: the engine and lm-eval's HF model take text as given (SmolLM2 has no BOS)
+    add_special_tokens: bool = False
 
     def check_neutral(self) -> None:
         super().check_neutral()
@@ -577,7 +580,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         if req.echo and req.stream:
             raise ApiError(400, "echo is not supported with stream", param="echo")
         texts = [p for p in batch if isinstance(p, str)]
-        encoded = iter(await off_loop(lambda: [tokenizer.encode(t, add_special_tokens=False)
+        special = req.add_special_tokens
+        encoded = iter(await off_loop(lambda: [tokenizer.encode(t, add_special_tokens=special)
                                                for t in texts]) if texts else [])
         return [p if isinstance(p, list) else next(encoded) for p in batch]
 

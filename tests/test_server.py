@@ -806,3 +806,19 @@ def test_an_alias_may_not_hide_an_adapter_and_chat_defaults_fit_the_pool(base, a
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
+def test_completions_take_vllms_add_special_tokens(base, monkeypatch):
+    """Text prompts are taken as given unless add_special_tokens asks for the BOS (vLLM's field;
+    our default is off, as the engine and lm-eval's HF model)."""
+    from fastapi.testclient import TestClient
+
+    engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
+    seen, encode = [], engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: seen.append(kw["add_special_tokens"])
+                        or encode(text, **kw))
+    with TestClient(create_app(engine, served_model_name="tiny-base")) as client:
+        for extra in ({}, {"add_special_tokens": True}):
+            r = client.post("/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+    assert seen == [False, True]
