@@ -22,6 +22,7 @@ _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])
 
 # PEFT features that change the computation beyond y = xW + s * (x A) B; the engine's
 # gathered LoRA implements exactly that, so anything else is refused rather than mis-served.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 _UNSUPPORTED = {
     "use_dora": (True,),
     "lora_bias": (True,),
@@ -81,8 +82,16 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
                 f"{folder}: {key} is set; kvshare adapters are LoRA A/B weights on linear "
                 "projections only"
             )
-    if config.get("alpha_pattern"):  # serving scales each module by lora_alpha / its rank
-        raise KvshareError(f"{folder}: alpha_pattern is not supported (one lora_alpha for every module)")
+    for key in ("alpha_pattern", "rank_pattern"):  # serving fuses q/k/v and gate/up under one scale
+        if config.get(key):
+            raise KvshareError(f"{folder}: {key} is not supported (one rank and lora_alpha for every module)")
+    if config.get("layer_replication"):
+        raise KvshareError(f"{folder}: layer_replication is not supported (the base's layers are served as they are)")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        # PEFT re-runs these on load and rewrites the base weights (W - B0 A0); kvshare serves W
+        raise KvshareError(f"{folder}: init_lora_weights={init!r} changes the base weights when PEFT loads it; "
+                           "convert it to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)")
     return PeftCheckpoint(folder, config, weights, tensor_specs(weights))
 
 
@@ -109,8 +118,7 @@ def lora_modules(ckpt: PeftCheckpoint) -> list[LoraModule]:
         a, b = ab["A"], ab["B"]
         if a.shape[0] != b.shape[1]:
             raise KvshareError(f"{ckpt.weights}: {name}: lora_A {a.shape} and lora_B {b.shape} disagree")
-        expected = ckpt.config.get("rank_pattern") or {}
-        if not expected and a.shape[0] != ckpt.config.get("r"):
+        if a.shape[0] != ckpt.config.get("r"):
             raise KvshareError(
                 f"{ckpt.weights}: {name} has rank {a.shape[0]}, adapter_config.json says r={ckpt.config.get('r')}"
             )

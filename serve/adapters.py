@@ -115,12 +115,6 @@ class AdapterSet:
         if kv_layout == "forkkv" and adapter.rank > self.residual_rank:
             raise KvshareError(f"adapter {name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
                                f"rank {self.residual_rank} at most (raise forkkv_max_rank)")
-        if kv_layout == "forkkv":  # the residual kernels scale an adapter's k and v parts alike
-            layers = {layer for layer, _ in weights}
-            if any(len({weights[(layer, m)][2] for m in ("k_proj", "v_proj") if (layer, m) in weights}) > 1
-                   for layer in layers):
-                raise KvshareError(f"adapter {name!r}: k_proj and v_proj have different LoRA scales (alpha / rank, "
-                                   "e.g. from PEFT's rank_pattern); ForkKV needs them equal")
         slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
         if slot == len(self.slots):
             self.slots.append(adapter)

@@ -41,7 +41,6 @@ from .step_buckets import BucketedStep, StepUnavailable
 log = logging.getLogger(__name__)
 
 _FIRST_TABLE_BLOCKS = 64  # block-table columns the buffers start with; doubled when a step needs more
-_UNGRAPHABLE_ROPE = ("dynamic", "longrope")  # their RoPE reads the positions on the host each step
 
 
 def _power_of_two(n: int) -> int:
@@ -62,8 +61,6 @@ def graphs_wanted(mode: str, device: torch.device, model: Model) -> bool:
         why = "CUDA graphs need the triton attention kernels (--kernels triton)"
     elif choice["linear"] != "torch":
         why = f"CUDA graphs take the torch linear backend, not {choice['linear']!r}"
-    elif getattr(model.rotary, "rope_type", "default") in _UNGRAPHABLE_ROPE:
-        why = f"this model's RoPE ({model.rotary.rope_type}) reads positions on the host: no CUDA graph"
     if why is not None and mode == "on":
         raise KvshareError(why)
     return why is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvshare.errors import KvshareError
 from kvshare.serve import LLM, SamplingParams
@@ -199,3 +200,27 @@ def test_a_context_past_the_models_positions_and_an_unknown_device_are_clear_err
     with pytest.raises(KvshareError, match="device must be cpu or cuda"):
         LLM(base, kv_cache_tokens=64, block_size=4, device="gpu")
     assert engine.max_request_tokens() == min(engine.max_model_len, 64)  # the pool bounds a request too
+
+
+@pytest.mark.parametrize("change", ["o_proj bias", "mlp bias", "sliding window", "dynamic rope"])
+def test_a_model_the_forward_would_compute_differently_is_refused(tiny_llama, change):
+    """transformers would add these biases, mask past the window, or rope by the batch's
+    longest position; the engine does not, so it refuses rather than serve other outputs."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((tiny_llama / "config.json").read_text())
+    if change.endswith("bias"):
+        weights = load_file(str(tiny_llama / "model.safetensors"))
+        name = "self_attn.o_proj" if change == "o_proj bias" else "mlp.down_proj"
+        rows = weights[f"model.layers.0.{name}.weight"].shape[0]
+        weights[f"model.layers.0.{name}.bias"] = torch.zeros(rows)
+        save_file(weights, str(tiny_llama / "model.safetensors"), metadata={"format": "pt"})
+    elif change == "sliding window":
+        config["sliding_window"] = 64
+    else:
+        config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (tiny_llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KvshareError, match="bias|sliding window|picks its frequencies"):
+        LLM(tiny_llama, kv_cache_tokens=64, block_size=4)

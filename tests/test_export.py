@@ -272,13 +272,15 @@ def test_inspect_without_base_and_with_a_broken_manifest(cli, checkpoints, base,
     assert_one_line_error(cli("inspect", out), "malformed JSON")
 
 
-def test_alpha_pattern_is_refused(cli, checkpoints, base, tmp_path):
-    """Serving scales every module by lora_alpha / its rank: a per-module alpha would be lost."""
+@pytest.mark.parametrize("pattern", ["alpha_pattern", "rank_pattern"])
+def test_per_module_rank_or_alpha_is_refused(cli, checkpoints, base, tmp_path, pattern):
+    """Serving fuses q/k/v (and gate/up) under one scale: a per-module alpha was lost, and a
+    per-module rank failed every batch with an adapter row once loaded."""
     ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
     config = json.loads((ckpt / "adapter_config.json").read_text())
-    config["alpha_pattern"] = {"v_proj": 64}
+    config[pattern] = {"v_proj": 2}
     (ckpt / "adapter_config.json").write_text(json.dumps(config))
-    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "alpha_pattern")
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), pattern)
 
 
 def test_system_prompt_is_recorded_for_serving(cli, checkpoints, base, tmp_path):
@@ -287,3 +289,17 @@ def test_system_prompt_is_recorded_for_serving(cli, checkpoints, base, tmp_path)
     assert manifest.read(out)["chat"] == {"system_prompt": "You are terse."}
     assert export(cli, checkpoints["lora"], "lora", base, tmp_path / "b").code == 0
     assert "chat" not in manifest.read(tmp_path / "b")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("init_lora_weights", "pissa_niter_4", "changes the base weights"), ("init_lora_weights", "loftq", "changes the base"),
+    ("layer_replication", [[0, 1], [0, 1]], "layer_replication")])
+def test_configs_that_serve_another_computation_are_refused(cli, checkpoints, base, tmp_path, key, value, message):
+    """PEFT re-runs a PiSSA/OLoRA/CorDA/LoftQ init on load, rewriting the base; layer_replication
+    builds other layers: kvshare would serve the plain base with the adapter, other outputs."""
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config[key] = value
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), message)
+

@@ -8,10 +8,6 @@ base parts from other agents are approximate past layer 0, which eval/perf/forkk
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -161,28 +157,6 @@ def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
         LLM(base, [adapters["lora-a"]], kv_cache_tokens=256, kv_layout="forkkv", forkkv_max_rank=1)
     with pytest.raises(KvshareError, match="kv_layout must be"):
         LLM(base, [], kv_layout="forked")
-
-
-def test_forkkv_refuses_an_adapter_whose_k_and_v_scales_differ(base, adapters, tmp_path):
-    """The residual kernels scale an adapter's k and v parts with one alpha / rank; a v of
-    another rank (PEFT's rank_pattern) would be scaled as k is. Exact serving takes it."""
-    from safetensors.torch import load_file, save_file
-
-    folder = Path(shutil.copytree(adapters["lora-a"], tmp_path / "ranks"))
-    weights = load_file(str(folder / "adapter_model.safetensors"))
-    for key in list(weights):
-        if "v_proj.lora_A" in key:
-            weights[key] = weights[key][:2].contiguous()
-        elif "v_proj.lora_B" in key:
-            weights[key] = weights[key][:, :2].contiguous()
-    save_file(weights, str(folder / "adapter_model.safetensors"))
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["rank_pattern"] = {"v_proj": 2}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    llm = LLM(base, [], kv_cache_tokens=256, block_size=BS)
-    with pytest.raises(KvshareError, match="different LoRA scales"):
-        llm.engine.load_adapter(folder, kv_layout="forkkv")
-    assert llm.engine.load_adapter(folder, name="exact") == "exact"
 
 
 def test_full_reuse_shares_whole_kv_among_its_agents_only(base, adapters, tokenizer):
