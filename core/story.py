@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import zoo
+from . import manifest, zoo
 from .errors import KvshareError
+from .fingerprint import base_fingerprint
+from .models import load_tokenizer, resolve_model_dir
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips "
@@ -33,7 +35,12 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
     for kind in ("icarus", "alora", "lora"):
         out = workdir / f"math-{kind}"
         adapter = out / "adapter"
-        if not (adapter / "kvshare.json").is_file():
+        if (adapter / "kvshare.json").is_file():
+            trained_on = manifest.read(adapter)["base_model"]["fingerprint"]
+            if trained_on != base_fingerprint(resolve_model_dir(model)):
+                raise KvshareError(f"{workdir} holds adapters trained on another base than {model}; "
+                                   "pass --workdir with a new folder")
+        else:
             recipe_path = RECIPES / f"math-{kind}.yaml"
             if not recipe_path.is_file():
                 raise KvshareError(f"{recipe_path} not found: run the demo from a kvshare checkout")
@@ -95,6 +102,8 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
     workdir = Path(workdir)
     if model in zoo.ZOO and not Path(model).is_dir():
         zoo.pull(model, log=lambda msg: print(msg, file=sys.stderr))
+    # the workflow's contexts come from local HotpotQA: a missing copy fails now, not after training
+    contexts = hotpot_contexts(load_tokenizer(model), workflows, context_tokens)
     adapters = train_adapters(model, workdir, steps, examples)
     engine = LLMEngine(model, [adapters[k] for k in ("icarus", "alora", "lora")], kv_cache_tokens=16384)
     tok = engine.tokenizer
@@ -114,7 +123,6 @@ def run_story(model: str = "smollm2-135m-instruct", workdir: str | Path = "runs/
             for out in engine.step():
                 if out.request_id == rid and out.finished:
                     answers[label] = out.text.strip()
-    contexts = hotpot_contexts(tok, workflows, context_tokens)
     results = {}
     for label in ("icarus", "lora"):
         engine.reset_prefix_cache()

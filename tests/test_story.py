@@ -1,5 +1,8 @@
 """The end-to-end story (make demo) on a tiny model: trains, serves, compares, reuses its runs."""
 
+import pytest
+
+from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine
 from kvshare.story import run_story
 
@@ -25,3 +28,6 @@ def test_story_runs_end_to_end_and_reuses_its_adapters(tiny_models, tmp_path, ca
     stamp = (tmp_path / "math-icarus" / "adapter" / "kvshare.json").stat().st_mtime_ns
     run_story(**kwargs)  # second run: no retraining
     assert (tmp_path / "math-icarus" / "adapter" / "kvshare.json").stat().st_mtime_ns == stamp
+    # adapters of another base in the work folder: a clear error, not a refusal deep in the engine
+    with pytest.raises(KvshareError, match="trained on another base"):
+        run_story(**{**kwargs, "model": str(tiny_models("llama", seed=1))})
