@@ -141,15 +141,11 @@ class EvalGuard:
                 for question in self.heads.get(" ".join(words[start:start + SHINGLE]), ()):
                     if f" {question} " in padded:
                         return self.texts[question]
-            if self.short:
-                spans = range(MIN_CONTAINED, SHINGLE)
-                for start in range(len(words)):
-                    for n in spans:
-                        if start + n > len(words):
-                            break
-                        found = self.short.get(tuple(words[start:start + n]))
-                        if found:
-                            return found
+            for start in range(len(words) if self.short else 0):
+                for end in range(start + MIN_CONTAINED, min(start + SHINGLE, len(words) + 1)):
+                    found = self.short.get(tuple(words[start:end]))
+                    if found:
+                        return found
         return None
 
 

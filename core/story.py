@@ -32,12 +32,12 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
     from .train.trainer import train
 
     adapters = {}
+    base = base_fingerprint(resolve_model_dir(model))
     for kind in ("icarus", "alora", "lora"):
         out = workdir / f"math-{kind}"
         adapter = out / "adapter"
         if (adapter / "kvshare.json").is_file():
-            trained_on = manifest.read(adapter)["base_model"]["fingerprint"]
-            if trained_on != base_fingerprint(resolve_model_dir(model)):
+            if manifest.read(adapter)["base_model"]["fingerprint"] != base:
                 raise KvshareError(f"{workdir} holds adapters trained on another base than {model}; "
                                    "pass --workdir with a new folder")
         else:

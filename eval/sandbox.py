@@ -192,7 +192,7 @@ def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str,
     untrusted code with its own limits (EvalPlus's checker); the rlimits of
     :func:`run_program` are not set, since the program sets its own per child."""
     jail = isolation() == "namespaces"
-    uid = UID_BASE + secrets.randbelow(UID_SPAN) if jail and os.geteuid() == 0 else -1
+    uid = _fresh_uid() if jail and os.geteuid() == 0 else -1
     if uid >= 0:
         for path in (folder, *Path(folder).rglob("*")):
             os.chown(path, uid, uid)
@@ -200,17 +200,27 @@ def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str,
     prefix = [*unshare_argv(), sys.executable, "-I", "-c", jail_prelude(uid, 64 * 1024 * 1024) + start] if jail \
         else [sys.executable, "-I", "-c", start]
     proc = subprocess.Popen(prefix, cwd=folder, env={**env, "HOME": str(folder)}, start_new_session=True)
+    return _wait_then_kill_all(proc, timeout, uid)
+
+
+def _fresh_uid() -> int:
+    return UID_BASE + secrets.randbelow(UID_SPAN)
+
+
+def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int) -> int | None:
+    """``proc``'s exit status, or None past ``timeout``; then the process, its group, and (a
+    fresh ``uid`` >= 0) every process of that uid, which may have left the group, are killed."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it started
         except ProcessLookupError:
             pass
         proc.wait()
-        if uid >= 0:
+        if uid >= 0:  # whatever left the process group
             kill_uid(uid)
 
 
@@ -248,7 +258,7 @@ def _run(source: str, limits: Limits, jail: bool) -> Outcome:
     nonce = secrets.token_hex(16)
     # as root, a fresh uid (the jail can show it the interpreter; without it, only if others may read it)
     root = os.geteuid() == 0 and (jail or interpreter_open_to_all())
-    uid = UID_BASE + secrets.randbelow(UID_SPAN) if root else -1
+    uid = _fresh_uid() if root else -1
     mb = 1024 * 1024
     with tempfile.TemporaryDirectory(prefix="kvshare-exec-") as tmp:
         program = Path(tmp) / "program.py"
@@ -273,18 +283,7 @@ def _run(source: str, limits: Limits, jail: bool) -> Outcome:
                 proc.stdin.close()
             except BrokenPipeError:  # the child died before reading it: not a pass
                 pass
-            try:
-                code = proc.wait(timeout=limits.timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the program and anything it started
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                if root:  # whatever left the process group
-                    kill_uid(uid)
+            code = _wait_then_kill_all(proc, limits.timeout, uid)
         detail = (Path(tmp) / "err.txt").read_bytes()[-2000:].decode("utf-8", "replace")
         marked = (Path(tmp) / "out.txt").read_bytes().rstrip(b"\n").endswith(b"\n" + nonce.encode())
     if code is None:

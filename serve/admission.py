@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..errors import KvshareError
 from .sequence import Sequence
 
 RECENT = 32  # ended workflows whose final footprints make the estimate for the live ones
@@ -78,6 +79,14 @@ class WorkflowAdmission:
             return False
         workflow.admitted, workflow.first_need = True, need
         return True
+
+    def forget(self) -> None:
+        """Forget the workflows seen and the footprints of those that ended (no call of theirs
+        may be in the engine)."""
+        if any(w.in_flight for w in self.workflows.values()):
+            raise KvshareError("cannot forget the workflows while their calls are in the engine")
+        self.workflows.clear()
+        self.ended.clear()
 
     def finished(self, seq: Sequence) -> None:
         """A call ended (or was aborted) holding these blocks: its agent's share of its workflow's

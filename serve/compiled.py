@@ -355,12 +355,8 @@ class CompiledStep(BucketedStep):
         except Exception as err:
             if not first:
                 raise
-            # no C++ toolchain, an op Inductor cannot build, a model we never ran: serve eager, not fail
-            self.unavailable = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            self.traced.clear()
-            log.warning("kvshare: compiling the CPU step failed (%s); steps run eager from now on "
-                        "(--compile off skips compiling)", self.unavailable)
-            raise StepUnavailable(self.unavailable) from err
+            self.traced.clear()  # no C++ toolchain, an op Inductor cannot build, a model we never ran
+            raise self.give_up(err, "compiling the CPU step") from err
         finally:
             _step.context = None
             if not first and counters["stats"]["unique_graphs"] != graphs:

@@ -143,11 +143,8 @@ class GraphedStep(BucketedStep):
             try:
                 entry = self._record(key, kv_cache)
             except Exception as err:  # a user's model or GPU we never ran on: serve eager, not fail
-                self.unavailable = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 self.graphs.clear()
-                log.warning("kvshare: recording a CUDA graph failed (%s); decode steps run eager from now "
-                            "on (--compile off skips the graphs)", self.unavailable)
-                raise StepUnavailable(self.unavailable) from err
+                raise self.give_up(err, "recording a CUDA graph", "decode steps") from err
         self.graphs[key] = entry
         return entry
 
@@ -217,11 +214,11 @@ class GraphedStep(BucketedStep):
             changed = (not self.lora.parts and self.lora.adapt_parts(set(PARTS))) or changed
             if changed:
                 self.forget_adapted()
+        if self.unavailable is not None:  # a recording failed (logged): the engine serves eager
+            return
         self._fit(kv_cache, 0)
         for size in sizes or self.buckets:
             for seq_rows in sorted({1, min(2, size)} if adapted else {1}):
-                if self.unavailable is not None:
-                    return
                 try:
                     self._graph((size, adapted, seq_rows), kv_cache)
                 except StepUnavailable:

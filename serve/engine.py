@@ -455,12 +455,8 @@ class LLMEngine:
     def forget_workflows(self) -> None:
         """Forget what workflow admission learned (the workflows seen, the footprints of those
         that ended), so that a benchmark's next point starts as a fresh server would."""
-        admission = self._scheduler.admission
-        if admission is not None:
-            if any(w.in_flight for w in admission.workflows.values()):
-                raise KvshareError("cannot forget the workflows while their calls are in the engine")
-            admission.workflows.clear()
-            admission.ended.clear()
+        if self._scheduler.admission is not None:
+            self._scheduler.admission.forget()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""

@@ -5,12 +5,16 @@ splits a step too large for the largest bucket."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
 from .config import COMPILE_BUCKETS, DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import LoraSlots
+
+log = logging.getLogger(__name__)
 
 
 class StepUnavailable(RuntimeError):
@@ -27,6 +31,15 @@ class BucketedStep:
         self.lora = LoraSlots(model, max_loras, max_lora_rank)
         self.steps = 0  # steps run through the graphs
         self.unavailable: str | None = None  # why the graphs gave up, once they have
+
+    def give_up(self, err: Exception, failed: str, steps: str = "steps") -> StepUnavailable:
+        """Stop using the graphs after ``failed`` (a compile or a recording) raised ``err``, on
+        a model or machine we never ran on: logged once, and the exception the caller raises,
+        so that this step and every later one serve eager instead of failing their requests."""
+        self.unavailable = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        log.warning("kvshare: %s failed (%s); %s run eager from now on (--compile off skips the graphs)",
+                    failed, self.unavailable, steps)
+        return StepUnavailable(self.unavailable)
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)

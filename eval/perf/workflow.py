@@ -127,7 +127,7 @@ class HFBackend:
 async def run_pattern(flow: Workflow, pattern: str, agents: list[Agent], turns: int, seed: int) -> None:
     """One workflow of ``pattern``: ``react``, ``turns`` turns round-robin; ``skewed``, the
     first agent takes half the turns, the others the rest at random; ``reflexion``, the first
-    agent acts and the second critiques, ``turns`` calls in all (at least one round);
+    agent acts and the second critiques, ``turns // 2`` rounds (at least one);
     ``mapreduce``, every agent but the last answers from the context at once, then the last
     combines the answers (``turns`` unused)."""
     check_pattern(pattern, (len(agents),))
