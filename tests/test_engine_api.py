@@ -149,8 +149,25 @@ def test_engine_benchmark_measures_several_backends_in_one_run(tiny_models, tmp_
     assert results["icarus_step_ratio"]["kvshare[int8]"]["ratio"] > 0
     header = (tmp_path / "engine_bench.md").read_text().splitlines()[0]
     assert "torch kernels" in header and "| kvshare[int8] | int8/HF |" in header
+    assert results["steps_ran"] == {"torch": "eager", "int8": "eager"}  # the suite runs with KVSHARE_COMPILE=off
+    assert "Steps ran: torch kernels: eager; int8 kernels: eager." in (tmp_path / "engine_bench.md").read_text()
     with pytest.raises(KvshareError, match="distinct"):
         run_engine_bench(model=str(tiny_models("llama")), kernels=["torch", "torch"])
+
+
+def test_the_benchmark_says_when_a_fast_step_gave_up():
+    """A backend whose graphs gave up on the machine ran eager: its figures say so."""
+    from types import SimpleNamespace
+
+    from kvshare.eval.perf.engine import _how_steps_ran
+
+    def llm(compiled):
+        return SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(compiled=compiled)))
+
+    assert _how_steps_ran(llm(None)) == "eager"
+    assert _how_steps_ran(llm(SimpleNamespace(unavailable=None, steps=7))) == "compiled step (7 steps)"
+    gave_up = SimpleNamespace(unavailable="RuntimeError: no", steps=0)
+    assert _how_steps_ran(llm(gave_up)) == "eager (compiled step gave up: RuntimeError: no)"
 
 
 def test_capacity_in_tokens_or_bytes(base):

@@ -27,6 +27,7 @@ from ...errors import KvshareError
 from ...models import load_tokenizer
 from ...random_adapters import random_adapter
 from ...serve.engine import LLM
+from ...serve.cuda_graphs import GraphedStep
 from ...serve.graph_cache import release_compiled_graphs
 from ...serve.sampling import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
@@ -222,6 +223,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                     if round_index == 0:  # bytes, not times: once
                         results["kv_bytes"] = _kv_bytes(llm, model_dir, _prompt(tokenizer, 128 if quick else 1024))
                         steps.update()
+                results.setdefault("steps_ran", {})[backend] = _how_steps_ran(llm)
                 del llm  # one engine's memory at a time, its compiled graphs too
                 release_compiled_graphs()
             measured.append(figures_of_round)
@@ -233,6 +235,18 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     if out_dir:
         write_report(results, Path(out_dir))
     return results
+
+
+def _how_steps_ran(llm: LLM) -> str:
+    """How a backend's engine ran its steps: eager, compiled (CPU) or replayed from CUDA graphs,
+    and whether those gave up on this machine (then the figures are eager ones, and say so)."""
+    fast = llm.engine.runner.compiled
+    if fast is None:
+        return "eager"
+    kind = "CUDA graphs" if isinstance(fast, GraphedStep) else "compiled step"
+    if fast.unavailable is not None:
+        return f"eager ({kind} gave up: {fast.unavailable})"
+    return f"{kind} ({fast.steps} steps)"
 
 
 def _bench_prompts(tokenizer, lengths: tuple[int, ...]):
@@ -396,6 +410,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| KV bytes, {n} agents / 1 agent ({kv['context_tokens']}-token {what}) | "
                          f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
                          f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + pad + blank)
+    if results.get("steps_ran"):
+        lines.append("\nSteps ran: " + "; ".join(f"{b} kernels: {how}" for b, how in results["steps_ran"].items()) + ".")
     if peer and peer.get("precision"):  # a peer at another precision says which
         lines.append(f"\n{peer['engine']}: {peer['precision']}; {peer['threads']} threads.")
     if results.get("rounds"):
