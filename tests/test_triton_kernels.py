@@ -221,17 +221,20 @@ def test_lora_shrink_writes_into_a_given_buffer():
 
 
 @pytest.mark.parametrize("launches", [1, 2])
-@pytest.mark.parametrize("rank,d_in,d_out", [(8, 40, 36), (16, 300, 290)])
-def test_bgmv_adds_each_rows_slot_delta_in_place_as_the_reference(rank, d_in, d_out, launches, monkeypatch):
+@pytest.mark.parametrize("rank,d_in,d_out,tile", [(8, 40, 36, None), (16, 300, 290, None), (16, 300, 290, 1024)])
+def test_bgmv_adds_each_rows_slot_delta_in_place_as_the_reference(rank, d_in, d_out, tile, launches, monkeypatch):
     """The CUDA-graph step's LoRA: each row's slot and scale read on the device; rows of scale
     0 (no adapter, an ICaRus base row, pad rows) untouched; into a column slice of a wider
-    output, as the fused projections give it; several feature tiles when the features are many;
-    shrink and expand in one launch (small projections) or two."""
+    output, as the fused projections give it; several feature tiles and a loop over the input
+    features when the features are many for a tile; shrink and expand in one launch (small
+    projections) or two."""
     from kvshare.kernels.triton import bgmv
     from kvshare.serve.lora_slots import lora_delta
 
     if launches == 2:
         monkeypatch.setattr(bgmv, "_FUSED_READS", 0)
+    if tile is not None:  # 1024 elements at rank 16: 64 features a tile, so 5 of each and a 5-step loop
+        monkeypatch.setattr(bgmv, "_TILE", tile)
 
     gen = torch.Generator().manual_seed(4)
     slots, rows, first = 3, 7, 5

@@ -22,7 +22,11 @@ import triton.language as tl
 from ._common import inner_contiguous, require_gpu_tensor
 from .attention import INTERPRETED
 
-_TILE = 4096  # weight elements a program holds at once (rank x features)
+# weight elements a program holds at once (rank x features): an ICaRus pair step is a few rows,
+# so each launch is latency-bound and fewer, wider loads (SmolLM2's 576 features in one) beat a
+# loop of narrow ones; more warps keep the wider tiles in registers
+_TILE = 16384
+_MAX_WARPS = 8
 # one launch instead of two while each row's A, read again by every column tile, stays this small
 # (at rank 16, SmolLM2's projections: at most 74k elements a row; Llama-8B's: 1M and up, two launches)
 _FUSED_READS = 1 << 18
@@ -118,13 +122,14 @@ def bgmv_lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.
     block_k = max(16, min(triton.next_power_of_2(in_features), _TILE // block_r))
     block_n = max(16, min(triton.next_power_of_2(out_features), _TILE // block_r))
     tiles = triton.cdiv(out_features, block_n)
+    warps = max(4, min(_MAX_WARPS, block_r * max(block_k, block_n) // 2048))  # 4 up to 8k elements a tile
     if tiles * rank * in_features <= _FUSED_READS:
         _fused_kernel[(rows, tiles)](x, a, b_t, y, index, scale, x.stride(0), a.stride(0), a.stride(1),
                                      b_t.stride(0), b_t.stride(1), y.stride(0), in_features, out_features, rank,
-                                     BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n)
+                                     BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps)
         return
     t = torch.empty(rows, block_r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(rows,)](x, a, t, index, scale, x.stride(0), a.stride(0), a.stride(1), in_features, rank,
-                            BLOCK_R=block_r, BLOCK_K=block_k)
+                            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
     _expand_kernel[(rows, tiles)](t, b_t, y, index, scale, b_t.stride(0), b_t.stride(1), y.stride(0),
-                                  out_features, rank, BLOCK_R=block_r, BLOCK_N=block_n)
+                                  out_features, rank, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
