@@ -157,7 +157,11 @@ class GraphedStep(BucketedStep):
                 self._decode(kv_cache, *key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # graphs alive share one memory pool; once none is (all dropped: new KV memory, wider
+        # tables), its pool is gone and recording into it trips an assertion of PyTorch's
+        # allocator (seen on an H200, session 27): start a new one
+        pool = self._pool if self.graphs else None
+        with torch.cuda.graph(graph, pool=pool):
             out = self._decode(kv_cache, *key)
         self._pool = graph.pool()
         return graph, out
