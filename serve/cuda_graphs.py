@@ -14,8 +14,9 @@ pad sequences have no rows; programs of the attention grid past a step's sequenc
 once (:class:`~kvshare.kernels.triton.attention.AttentionLaunch`, fixed per graph). Adapters come
 from the slot stacks (:mod:`.lora_slots`), rewritten in place, so loading one needs no new graph
 unless the stacks grow; each row's delta is added by the BGMV kernels
-(:mod:`kvshare.kernels.triton.bgmv`: one or two launches a projection, where the gather form
-the CPU graph uses would record eight to ten). The head runs after the replay, on the logit rows only.
+(:mod:`kvshare.kernels.triton.bgmv`: for a small model one launch a fused projection, whatever
+its adapted parts, where the gather form the CPU graph uses would record eight to ten a part).
+The head runs after the replay, on the logit rows only.
 
 A graph is recorded on first use of its (bucket, with adapters or not, rows per sequence)
 key, or ahead by :meth:`GraphedStep.warm_up`; ``capture=False`` runs the same code on the same
@@ -169,7 +170,7 @@ class GraphedStep(BucketedStep):
     def _decode(self, kv_cache: torch.Tensor, size: int, adapted: bool, seq_rows: int) -> torch.Tensor:
         """The decoder over the first ``size`` rows of the buffers: what a graph records."""
         from ..kernels.triton.attention import launch_paged_attention, launch_shape, split_partials, write_kv
-        from ..kernels.triton.bgmv import bgmv_lora_add
+        from ..kernels.triton.bgmv import bgmv_lora_add_parts
 
         m = self.model
         launch = launch_shape(m.n_q, m.n_kv, size, seq_rows, self.tables.shape[1] * self.block_size, self.device)
@@ -196,12 +197,13 @@ class GraphedStep(BucketedStep):
 
             def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
                 y = linear(x, weight, bias)
-                first = 0
+                parts, first = [], 0
                 for name, width in m.fused[fused]:
                     a, b_t = weights[name]
                     if a.shape[-2]:  # a projection some adapter adapts
-                        bgmv_lora_add(y[:, first:first + width], x, a[i], b_t[i], index, scale)
+                        parts.append((first, a[i], b_t[i]))
                     first += width
+                bgmv_lora_add_parts(y, x, parts, index, scale)  # one launch for the fused projection
                 return y
 
         h = m.decoder(h, cos, sin, m.layers, project, attend)

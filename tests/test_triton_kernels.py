@@ -257,6 +257,72 @@ def test_bgmv_adds_each_rows_slot_delta_in_place_as_the_reference(rank, d_in, d_
     assert torch.equal(wide, kept)
 
 
+@pytest.mark.parametrize("widths", [(36, 12, 12), (40, 40), (20,)])
+def test_bgmv_parts_of_a_fused_projection_are_one_launch_equal_to_each_part_alone(widths):
+    """q/k/v or gate/up of one fused output, each part's A and B in its own stack (as the slot
+    stacks hold them, of different widths), and a part no adapter adapts left out: one launch
+    (one part: the plain kernel), each part's columns as :func:`bgmv_lora_add` of that part
+    alone, the rest untouched."""
+    from kvshare.kernels.triton.bgmv import bgmv_lora_add_parts
+    from kvshare.kernels.triton.launch_count import count_launches
+    from kvshare.serve.lora_slots import lora_delta
+
+    gen = torch.Generator().manual_seed(5)
+    slots, rows, rank, d_in = 3, 5, 8, 24
+    index = torch.tensor([2, 0, 1, 1, 0], device=DEVICE)
+    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.25], device=DEVICE)
+    x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
+    total = sum(widths) + 7  # 7 columns of a part no adapter adapts, between the first two
+    y = torch.randn(rows, total, generator=gen).to(DEVICE)
+    want, parts, first = y.clone(), [], 0
+    for n, width in enumerate(widths):
+        a = torch.randn(slots, rank, d_in, generator=gen).to(DEVICE)
+        b_t = torch.randn(slots, rank, width, generator=gen).to(DEVICE)
+        want[:, first:first + width] += lora_delta(x, a, b_t, index, scale)
+        parts.append((first, a, b_t))
+        first += width + (7 if n == 0 else 0)
+    with count_launches() as launched:
+        bgmv_lora_add_parts(y, x, parts, index, scale)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+    assert torch.equal(y[:, widths[0]:widths[0] + 7], want[:, widths[0]:widths[0] + 7])  # never written
+    assert sum(launched.values()) == 1, launched
+
+
+def test_a_multi_part_kernel_that_cannot_compile_falls_back_to_one_launch_a_part(monkeypatch, caplog):
+    """On a GPU whose compiler rejects the multi-part kernel, the parts launch one by one
+    (logged once, never tried again) instead of failing the graph and the engine's speed."""
+    from kvshare.kernels.triton import bgmv
+    from kvshare.serve.lora_slots import lora_delta
+
+    tried = []
+
+    class Rejected:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tried.append(grid)
+                raise RuntimeError("PassManager::run failed\nmore")
+            return launch
+
+    monkeypatch.setattr(bgmv, "_parts_kernel", Rejected())
+    monkeypatch.setattr(bgmv, "INTERPRETED", False)  # compiled mode, as on a GPU
+    monkeypatch.setattr(bgmv, "require_gpu_tensor", lambda t, interpreted: None)
+    monkeypatch.setattr(bgmv, "_parts_failed", None)
+    monkeypatch.setattr(bgmv, "bgmv_lora_add",
+                        lambda y, x, a, b_t, index, scale: y.add_(lora_delta(x, a, b_t, index, scale)))
+    gen = torch.Generator().manual_seed(6)
+    x, index, scale = torch.randn(3, 16, generator=gen), torch.tensor([0, 1, 0]), torch.tensor([1.0, 0.5, 0.0])
+    parts = [(0, torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 10, generator=gen)),
+             (10, torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 10, generator=gen))]
+    want = torch.cat([lora_delta(x, a, b_t, index, scale) for _, a, b_t in parts], dim=1)
+    for _ in range(2):
+        y = torch.zeros(3, 20)
+        with caplog.at_level("WARNING"):
+            bgmv.bgmv_lora_add_parts(y, x, parts, index, scale)
+        torch.testing.assert_close(y, want)
+    assert len(tried) == 1 and bgmv._parts_failed == "RuntimeError: PassManager::run failed"
+    assert caplog.text.count("LoRA parts launch one by one") == 1
+
+
 def test_triton_engine_generates_what_the_torch_engine_generates(tiny_models, tmp_path):
     """A whole engine on the Triton kernels: a base, a LoRA and an ICaRus request together
     (paired decode rows, prefill, LoRA over mixed rows) give the same greedy tokens."""

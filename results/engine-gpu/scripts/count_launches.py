@@ -52,12 +52,15 @@ def main():
         print(f"model {model}; adapted projections {list(step.lora.parts)}, stack rank {step.lora.rank}")
         base = count(step, engine.runner.kv_cache, False)
         print(f"base step (1 row):                 {base} kernels")
-        real = bgmv.bgmv_lora_add
-        for form, add in (("bgmv", real), ("gather", gather_form)):
-            bgmv.bgmv_lora_add = add
+        real, real_parts = bgmv.bgmv_lora_add, bgmv.bgmv_lora_add_parts
+        forms = (("bgmv, a launch per fused projection", real, real_parts),  # session 27
+                 ("bgmv, a launch per part", real, bgmv._each_part),  # session 25
+                 ("gather", gather_form, bgmv._each_part))  # session 24
+        for form, add, add_parts in forms:
+            bgmv.bgmv_lora_add, bgmv.bgmv_lora_add_parts = add, add_parts
             pair = count(step, engine.runner.kv_cache, True)
-            print(f"ICaRus pair step (2 rows), {form:6}: {pair} kernels = {pair / base:.2f}x the base step")
-        bgmv.bgmv_lora_add = real
+            print(f"ICaRus pair step (2 rows), {form:35}: {pair} kernels = {pair / base:.2f}x the base step")
+        bgmv.bgmv_lora_add, bgmv.bgmv_lora_add_parts = real, real_parts
 
 
 if __name__ == "__main__":
