@@ -1,8 +1,11 @@
 """The BGMV kernels' tile on a GPU (session 27): an ICaRus pair step's LoRA launches carry a few
-rows each, so they are latency-bound, and a wider tile (fewer, wider loads; more warps) may beat
-the loop of narrow ones. For each (weight elements a program holds, most warps) this records the
-CUDA graphs again and times the engine's pair / base step (wall, as `bench engine` does) and the
-two graphs' replays alone (GPU time). The first variant is the kernel before session 27.
+rows each, so they are latency-bound; a wider tile (fewer, wider loads; more warps) may beat the
+loop of narrow ones, and one launch for a fused projection's parts may beat one each. For each
+(weight elements a program holds, most warps, one launch or one a part) this records the CUDA
+graphs again and times the engine's pair / base step (wall, as `bench engine` does) and the two
+graphs' replays alone (GPU time). The first variant is the kernel before session 27.
+Run in session 27 (sweep.txt) its second variant could not record: the dropped graphs' memory
+pool, fixed since in serve/cuda_graphs.py.
 
     python3 bgmv_sweep.py MODEL_DIR [cuda|cpu]     (cpu: under TRITON_INTERPRET=1, a smoke run)
 """
@@ -44,14 +47,18 @@ if __name__ == "__main__":
         torch.cuda.synchronize()
         return begin.elapsed_time(end) / n
 
-    for tile, warps in ((4096, 4), (8192, 4), (16384, 4), (16384, 8)):
+    # (tile, most warps, the adapted parts of a fused projection in one launch): session 25's
+    # kernel first, then session 27's tile, then session 27's kernel (its defaults)
+    for tile, warps, one_launch in ((4096, 4, False), (8192, 4, False), (16384, 8, False), (16384, 8, True)):
         bgmv._TILE, bgmv._MAX_WARPS = tile, warps
+        bgmv._parts_failed = None if one_launch else "a launch a part (the sweep)"
         if step is not None:
             step.graphs.clear()
             llm.engine.warm_up((1,))
             llm.engine.warm_up((2,), adapters=True)
         r = _pair_step_ratio(llm, prompt, name, times=5 if on_gpu else 1)
-        line = (f"tile {tile:5d}, warps <= {warps}: engine step base {r['base_step_s'] * 1e3:.2f} ms, "
+        launches = "a launch a fused projection" if one_launch else "a launch a part"
+        line = (f"tile {tile:5d}, warps <= {warps}, {launches}: engine step base {r['base_step_s'] * 1e3:.2f} ms, "
                 f"pair {r['icarus_step_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}x")
         if step is not None:
             base, pair = replay_ms((1, False, 1)), replay_ms((2, True, 2))

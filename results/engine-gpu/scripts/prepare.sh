@@ -1,6 +1,6 @@
 # Run HERE (registry access), from the repository root, before a GPU run: builds the two
 # ignored folders the GPU machine needs, then the run is one call of the device tool:
-#   run(command="bash .gpu/graphs.sh", carry=[".whl", ".gpu"], timeout_s=600)
+#   run(command="bash .gpu/next.sh", carry=[".whl", ".gpu"], timeout_s=600)
 # .whl/: the pinned wheels (fetch_wheels.sh); .gpu/: the scripts and SmolLM2-135M-Instruct's
 # config and tokenizer files (the GPU machine builds a random-weight model of that shape).
 set -euo pipefail
@@ -9,7 +9,7 @@ model="$(kvshare models path smollm2-135m-instruct 2>/dev/null || true)"
 [ -f "$model/config.json" ] || { echo "prepare.sh: pull the model first (kvshare models pull smollm2-135m-instruct)" >&2; exit 1; }
 bash "$here/fetch_wheels.sh"
 rm -rf .gpu && mkdir -p .gpu/smollm2-config
-cp "$here"/setup.sh "$here"/graphs.sh "$here"/c.sh "$here"/d.sh "$here"/profile_pair.py .gpu/
+cp "$here"/*.sh "$here"/*.py .gpu/
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
   cp "$model/$f" .gpu/smollm2-config/
 done
