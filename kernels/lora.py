@@ -2,7 +2,11 @@
 
 Row r uses adapter ``index[r]`` (-1 = none); the result is ``scale * (x A^T) B^T`` per row,
 computed per adapter over that adapter's rows, so each adapter's math is exactly PEFT's
-``lora_B(lora_A(x)) * scaling`` whatever else shares the batch.
+``lora_B(lora_A(x)) * scaling`` whatever else shares the batch. In a bfloat16 or float16
+model the delta is computed in float32 and added to the projection's output with one
+rounding, as PEFT does (it keeps adapter weights in float32 there and casts the sum back once)
+and as the Triton, BGMV and C++ kernels do; rounding ``x A^T``, the delta and the sum each to
+bfloat16 moved every adapted value by a few bfloat16 steps.
 """
 
 from __future__ import annotations
@@ -36,18 +40,17 @@ def gathered_lora_ref(x: torch.Tensor, base_out: torch.Tensor, groups: list[tupl
     adapter and projection took 0.5-11 ms each, 38% of the chunk's time in the workflow bench,
     where the adapter's own math on its one row is microseconds. For the same reason the rows
     are added by gather, add, scatter: ``index_add_`` took 0.3-0.6 ms for one row of such an
-    output inside the engine, against 0.03 ms this way (the same bfloat16 sums; a group's rows
-    are distinct).
+    output inside the engine, against 0.03 ms this way (a group's rows are distinct).
     """
     out = base_out if inplace else None
+    wide = torch.promote_types(base_out.dtype, torch.float32)
     for slot, rows in groups:
         entry = weights[slot]
         if entry is None:
             continue
         a, b, scale = entry
-        delta = F.linear(F.linear(x.index_select(0, rows), a), b) * scale
+        delta = F.linear(F.linear(x.index_select(0, rows).to(wide), a.to(wide)), b.to(wide)) * scale
         if out is None:
-            out = base_out.index_add(0, rows, delta)  # the one copy: base_out is left untouched
-        else:
-            out.index_copy_(0, rows, out.index_select(0, rows) + delta)
+            out = base_out.clone()  # the one copy: base_out is left untouched
+        out.index_copy_(0, rows, (out.index_select(0, rows).to(wide) + delta).to(out.dtype))
     return base_out if out is None else out

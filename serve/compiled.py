@@ -230,7 +230,9 @@ class _Decoder(torch.nn.Module):
                     x, weight.packed, bias, [weights[name][0][i] for name, _ in adapted],
                     [weights[name][1][i] for name, _ in adapted], [first for _, first in adapted], index, scale)
             deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name, _ in parts]
-            return _linear(x, weight, bias) + (torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0])
+            delta = torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0]  # float32: one rounding below
+            y = _linear(x, weight, bias)
+            return (y.to(delta.dtype) + delta).to(y.dtype)
 
         return self._run(tokens, positions, project)
 

@@ -167,9 +167,12 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, index: torch
                scale: torch.Tensor) -> torch.Tensor:
     """Each row's ``scale * (x A^T) B^T`` with its own slot's A ``(slots, r, in)`` and B^T
     ``(slots, r, out)``: inside a graph, two reductions that read the slots in place. Rank-0
-    stacks (a projection no adapter adapts) give zeros, and no reduction in a traced graph."""
+    stacks (a projection no adapter adapts) give zeros, and no reduction in a traced graph.
+    In float32 whatever ``x``'s dtype, for the caller to add to the projection and round once
+    (PEFT's float32 adapter math; :func:`kvshare.kernels.lora.gathered_lora_ref`)."""
+    wide = torch.promote_types(x.dtype, torch.float32)
     if a.shape[-2] == 0:
-        return x.new_zeros(x.shape[0], b_t.shape[-1])
-    t = (a[index] * x[:, None, :]).sum(-1)  # (rows, r)
-    delta = (b_t[index] * t[:, :, None]).sum(1)  # (rows, out)
-    return (delta.float() * scale[:, None]).to(x.dtype)
+        return x.new_zeros(x.shape[0], b_t.shape[-1], dtype=wide)
+    t = (a[index].to(wide) * x.to(wide)[:, None, :]).sum(-1)  # (rows, r)
+    delta = (b_t[index].to(wide) * t[:, :, None]).sum(1)  # (rows, out)
+    return delta * scale[:, None]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvshare.errors import KvshareError
 from kvshare.kernels import Kernels, build_attention_metadata
@@ -83,6 +84,26 @@ def test_gathered_lora_equals_a_per_row_loop():
     same = base.clone()
     assert REF.gathered_lora(x, same, lora_groups(index.tolist()), weights, inplace=True) is same  # the engine's way
     torch.testing.assert_close(same, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_lora_in_half_precision_rounds_once_as_peft(dtype):
+    """A bfloat16 model: the delta in float32, added to the output and rounded once (PEFT's
+    float32 adapter math), not x A^T, the delta and the sum each rounded."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 32, generator=gen).to(dtype)
+    base = torch.randn(5, 24, generator=gen).to(dtype)
+    a, b = torch.randn(8, 32, generator=gen).to(dtype), (torch.randn(24, 8, generator=gen) / 4).to(dtype)
+    index = [0, -1, 0, 0, -1]
+    rows = torch.tensor([0, 2, 3])
+    want = base.clone()
+    want[rows] = (base[rows].float() + (x[rows].float() @ a.float().T) @ b.float().T * 0.5).to(dtype)
+    for inplace in (False, True):
+        out = base.clone()
+        got = REF.gathered_lora(x, out, lora_groups(index), [(a, b, 0.5)], inplace=inplace)
+        assert got.dtype == dtype and torch.equal(got, want)
+    rounded_each_step = base[rows] + (F.linear(F.linear(x[rows], a), b) * 0.5)
+    assert not torch.equal(rounded_each_step, want[rows])  # the old way differs on these numbers
 
 
 def test_dispatch_refuses_unknown_backends():
