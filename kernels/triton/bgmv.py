@@ -176,7 +176,8 @@ def bgmv_lora_add_parts(y: torch.Tensor, x: torch.Tensor, parts: list[tuple[int,
     widths = [b.shape[-1] for b in b_s]
     a_offsets = [_element_offset(a, a_s[0]) for a in a_s]
     b_offsets = [_element_offset(b, b_s[0]) for b in b_s]
-    if (any(a.shape[-2:] != a_s[0].shape[-2:] or a.stride() != a_s[0].stride() for a in a_s)
+    if (any(a.shape[-2:] != a_s[0].shape[-2:] or a.stride() != a_s[0].stride() or a.dtype != a_s[0].dtype
+            for a in a_s)
             or any(b.shape[-2] != rank or b.dtype != b_s[0].dtype for b in b_s)
             or None in a_offsets + b_offsets or rank == 0):
         return _each_part(y, x, parts, index, scale)  # parts that do not share one layout
