@@ -411,7 +411,8 @@ def markdown(results: dict) -> str:
                          f"ICaRus {kv[f'icarus_{n}_bytes{suffix}'] / one:.2f}x | "
                          f"LoRA {kv[f'lora_{n}_bytes{suffix}'] / one:.2f}x | |" + pad + blank)
     if results.get("steps_ran"):
-        lines.append("\nSteps ran: " + "; ".join(f"{b} kernels: {how}" for b, how in results["steps_ran"].items()) + ".")
+        ran = "; ".join(f"{backend} kernels: {how}" for backend, how in results["steps_ran"].items())
+        lines.append(f"\nSteps ran: {ran}.")
     if peer and peer.get("precision"):  # a peer at another precision says which
         lines.append(f"\n{peer['engine']}: {peer['precision']}; {peer['threads']} threads.")
     if results.get("rounds"):
