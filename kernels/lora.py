@@ -4,9 +4,10 @@ Row r uses adapter ``index[r]`` (-1 = none); the result is ``scale * (x A^T) B^T
 computed per adapter over that adapter's rows, so each adapter's math is exactly PEFT's
 ``lora_B(lora_A(x)) * scaling`` whatever else shares the batch. In a bfloat16 or float16
 model the delta is computed in float32 and added to the projection's output with one
-rounding, as PEFT does (it keeps adapter weights in float32 there and casts the sum back once)
-and as the Triton, BGMV and C++ kernels do; rounding ``x A^T``, the delta and the sum each to
-bfloat16 moved every adapted value by a few bfloat16 steps.
+rounding, as PEFT does (it casts the sum back once) and as the Triton, BGMV and C++ kernels
+do; rounding ``x A^T``, the delta and the sum each to bfloat16 moved every adapted value by a
+few bfloat16 steps. The weights themselves stay in the model's dtype, as vLLM keeps them
+(PEFT upcasts them to float32: a relative difference of 2^-9 at most per weight).
 """
 
 from __future__ import annotations
