@@ -87,9 +87,10 @@ def test_gathered_lora_equals_a_per_row_loop():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gathered_lora_in_half_precision_rounds_once_as_peft(dtype):
-    """A bfloat16 model: the delta in float32, added to the output and rounded once (PEFT's
-    float32 adapter math), not x A^T, the delta and the sum each rounded."""
+def test_gathered_lora_in_half_precision_rounds_once(dtype):
+    """A bfloat16 model: the delta accumulated in float32 and added to the output with one
+    rounding (as PEFT), not the delta and the sum each rounded; x A^T in the model's dtype
+    (as vLLM)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 32, generator=gen).to(dtype)
     base = torch.randn(5, 24, generator=gen).to(dtype)
@@ -97,7 +98,8 @@ def test_gathered_lora_in_half_precision_rounds_once_as_peft(dtype):
     index = [0, -1, 0, 0, -1]
     rows = torch.tensor([0, 2, 3])
     want = base.clone()
-    want[rows] = (base[rows].float() + (x[rows].float() @ a.float().T) @ b.float().T * 0.5).to(dtype)
+    t = F.linear(x[rows], a)
+    want[rows] = (base[rows].float() + (t.float() @ b.float().T) * 0.5).to(dtype)
     for inplace in (False, True):
         out = base.clone()
         got = REF.gathered_lora(x, out, lora_groups(index), [(a, b, 0.5)], inplace=inplace)

@@ -180,7 +180,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, rows_ptr, starts_ptr, adapters_ptr, s
                          mask=row_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
             b = tl.load(b_ptr + adapter * stride_bs + outs[:, None] * stride_bn + r + ranks[None, :],
                         mask=out_ok[:, None] & rank_ok[None, :], other=0.0).to(tl.float32)
-            # x·A stays float32 (PEFT's float32 adapter math): the delta is rounded once, into y
+            # x·A is not rounded to the weights' dtype (the dot runs in TF32 for a half-precision
+            # model, exact float32 for a float32 one); the delta is rounded once, into y
             acc += tl.dot(xa, tl.trans(b), input_precision=PRECISION)
         scale = tl.load(scales_ptr + adapter)
         where = out_ptr + rows[:, None] * stride_or + outs[None, :]
@@ -230,7 +231,7 @@ def lora_expand(xa: torch.Tensor, b_stack: torch.Tensor, scales: torch.Tensor, s
     grid = (triton.cdiv(segments.longest, _BLOCK_M), triton.cdiv(out_features, _BLOCK_N), len(segments.adapters))
     _expand_kernel[grid](xa, b_stack, out, segments.rows, segments.starts, segments.adapters, scales,
                          xa.stride(0), b_stack.stride(0), b_stack.stride(1), out.stride(0), out_features, rank,
-                         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_R=block_r, PRECISION=dot_precision(torch.float32))
+                         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_R=block_r, PRECISION=dot_precision(b_stack.dtype))
     return out
 
 
