@@ -112,6 +112,7 @@ def export_adapter(
             shutil.copyfile(checkpoint_dir / file, staging / file)
         if tensor_specs(staging / ADAPTER_WEIGHTS) != ckpt.specs:
             raise KvshareError(f"copy of {ADAPTER_WEIGHTS} does not match the source")
+        data["files"] = manifest.file_digests(staging)
         manifest.write(data, staging)
         write_text_atomic(staging / model_card.CARD_FILE, model_card.render(data))
         fsync_files(staging)
@@ -131,6 +132,7 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
     if not adapter_dir.is_dir():
         raise KvshareError(f"{adapter_dir}: no such adapter folder")
     data = manifest.read(adapter_dir)
+    manifest.check_files(data, adapter_dir)
     ckpt = read_peft_checkpoint(adapter_dir)
     modules = lora_modules(ckpt)
     kind = parse_kind(data["kind"])

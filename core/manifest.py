@@ -7,6 +7,7 @@ enforced on every read and every write, and writes are atomic (temporary file + 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from functools import lru_cache
@@ -16,6 +17,7 @@ from typing import Any
 from jsonschema import Draft202012Validator, FormatChecker
 
 from . import __version__
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .errors import KvshareError
 from .fsutil import write_text_atomic
 from .safetensors_io import read_json
@@ -118,6 +120,34 @@ def read(path: Path) -> dict:
             f"{path}: kv_sharing does not state the rule of kind {data['kind']!r}"
         )
     return data
+
+
+EXPORTED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of the adapter's files in ``folder``: what the manifest's ``files`` records."""
+    digests = {}
+    for name in EXPORTED_FILES:
+        h = hashlib.sha256()
+        with open(Path(folder) / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digests[name] = "sha256:" + h.hexdigest()
+    return digests
+
+
+def check_files(data: dict, folder: Path) -> None:
+    """A file changed since export (edited, truncated, swapped) is a clear error: its KV and
+    outputs would no longer be the manifest's adapter. Manifests from before the ``files``
+    field carry no digests and pass."""
+    recorded = data.get("files")
+    if not recorded:
+        return
+    for name, digest in file_digests(folder).items():
+        if digest != recorded[name]:
+            raise KvshareError(f"{Path(folder) / name} changed since it was exported (sha256 {digest[7:19]}..., "
+                               f"kvshare.json records {recorded[name][7:19]}...); export the adapter again")
 
 
 def write(data: dict, folder: Path) -> Path:

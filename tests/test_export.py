@@ -12,6 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvshare import manifest
+from kvshare.errors import KvshareError
 from kvshare.testing import make_peft_adapter
 
 from conftest import assert_one_line_error
@@ -270,6 +271,37 @@ def test_inspect_without_base_and_with_a_broken_manifest(cli, checkpoints, base,
     assert_one_line_error(cli("inspect", out), "kv_sharing")
     (out / "kvshare.json").write_text("[1, 2")
     assert_one_line_error(cli("inspect", out), "malformed JSON")
+
+
+def test_adapter_files_changed_after_export_are_refused(cli, checkpoints, base, tmp_path):
+    """The manifest records each file's sha256: weights retrained in place or a config edited
+    after export are refused by inspect and by the engine (they would serve another adapter
+    under the manifest's name, kind and KV rule); a manifest from before the field passes."""
+    from safetensors.torch import load_file, save_file
+
+    from kvshare.serve import LLM
+
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["lora"], "lora", base, out).code == 0
+    recorded = manifest.read(out)["files"]
+    assert recorded == manifest.file_digests(out) and set(recorded) == set(manifest.EXPORTED_FILES)
+    exported = (out / "adapter_model.safetensors").read_bytes()
+    weights = load_file(out / "adapter_model.safetensors")
+    save_file({k: v + 1 if n == 0 else v for n, (k, v) in enumerate(weights.items())},
+              out / "adapter_model.safetensors")  # same names and shapes: every other check passes
+    assert_one_line_error(cli("inspect", out, "--base", base),
+                          "adapter_model.safetensors changed since it was exported")
+    with pytest.raises(KvshareError, match="changed since it was exported"):
+        LLM(base, [out])
+    (out / "adapter_model.safetensors").write_bytes(exported)
+    assert cli("inspect", out, "--base", base).code == 0  # the exported bytes again
+    config = out / "adapter_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert_one_line_error(cli("inspect", out), "adapter_config.json changed since it was exported")
+    data = json.loads((out / "kvshare.json").read_text())
+    del data["files"]  # exported before kvshare recorded digests
+    (out / "kvshare.json").write_text(json.dumps(data))
+    assert cli("inspect", out, "--base", base).code == 0
 
 
 @pytest.mark.parametrize("pattern", ["alpha_pattern", "rank_pattern"])
