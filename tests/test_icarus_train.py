@@ -63,6 +63,24 @@ def test_training_forward_equals_the_explicit_reference(tiny_models, family, tie
     assert not torch.allclose(own_kv[valid], want[valid], atol=1e-3)
 
 
+def test_padding_is_masked_out_of_the_encoder_and_decoder_attention(tiny_models):
+    """Left padding (a collator or tokenizer that pads on the left): real tokens must not
+    attend to pad tokens, in the base's encoder pass or the decoder's. The registered
+    attention needs its mask function registered too; without it transformers built no mask
+    and SDPA ran causal only, so padding was attended (harmless only for right padding)."""
+    model = icarus_model(tiny_models("llama"))
+    ids, mask = batch(model.config.vocab_size, seed=2)
+    mask[1] = 1
+    mask[1, :3] = 0  # left padding in the second row
+    with torch.no_grad():
+        got = icarus_forward(model, ids, mask).logits
+        unmasked = icarus_forward(model, ids).logits
+    want = icarus_reference_logits(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked[1, 3:], want[1, 3:], atol=1e-3)  # the pads do change the outputs
+
+
 def test_gradients_reach_only_lora_weights(tiny_models):
     model = icarus_model(tiny_models("llama"))
     ids, mask = batch(model.config.vocab_size)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "kvshare_icarus"
@@ -32,6 +33,9 @@ def _icarus_attention(module, query, key, value, attention_mask, icarus_kv: KV |
 
 
 AttentionInterface.register(ATTENTION_NAME, _icarus_attention)
+# transformers builds attention masks only for implementations with a mask function: without
+# one it passed None and SDPA ran causal only, attending to padding (left padding would leak)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def enable_icarus_attention(model) -> None:
