@@ -24,7 +24,7 @@ from .adapters import (
     target_leaves,
 )
 from .errors import KvshareError
-from .fingerprint import fingerprints
+from .fingerprint import fingerprints, matches_base
 from .fsutil import fsync_files, replace_dir, write_text_atomic
 from .models import is_hub_id, load_tokenizer, model_family, resolve_model_dir
 from .safetensors_io import tensor_specs
@@ -148,7 +148,7 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
     if base is not None:
         base_info = resolve_base(base)
         expected = data["base_model"]["fingerprint"]
-        if base_info.fingerprint != expected:
+        if not matches_base(base_info.folder, expected):
             raise KvshareError(
                 f"{adapter_dir}: adapter {data['name']!r} was made for base "
                 f"{data['base_model']['name']!r} ({expected[:19]}...), but {base} is "

@@ -4,8 +4,8 @@ KV computed by one base is only reusable by requests on the very same base, so e
 adapter manifest and every prefix-cache key carries the base fingerprint: a hash of the
 architecture config, the tokenizer vocabulary and the weight bytes. It is computed once and
 cached beside the model (keyed by the files' sizes and modification times), so a
-checkpoint saved again - same tensors, new files - keeps its fingerprint, while any change
-of weights, vocabulary or architecture gives a new one.
+checkpoint saved again - same tensors, new files, other shards - keeps its fingerprint, while
+any change of weights, vocabulary or architecture gives a new one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from .fsutil import write_text_atomic
 from .safetensors_io import model_weight_files
 
 CACHE_FILE = "kvshare-fingerprint.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: tensors in name order across shards (1: shard by shard)
 _PROGRESS_BYTES = 1 << 30  # bases larger than this show a progress bar while hashed (on a terminal)
 
 # Config keys that describe a run or a save, not the architecture.
@@ -71,17 +72,45 @@ def base_fingerprint(model_dir: Path) -> str:
 
 def compute_fingerprints(model_dir: Path) -> Fingerprints:
     """Hash architecture, vocabulary and weights from scratch (no cache)."""
+    model_dir = Path(model_dir)
+    config, vocab = _config_and_vocab(model_dir)
+    return Fingerprints(_base_digest(model_dir, config, vocab, by_shard=False), f"sha256:{vocab}")
+
+
+def legacy_base_fingerprint(model_dir: Path) -> str:
+    """The base fingerprint as kvshare computed it before it was independent of sharding
+    (tensors hashed shard by shard): what manifests of adapters exported then record. Equal
+    to :func:`base_fingerprint` for a model in one file."""
+    model_dir = Path(model_dir)
+    config, vocab = _config_and_vocab(model_dir)
+    return _base_digest(model_dir, config, vocab, by_shard=True)
+
+
+def matches_base(model_dir: Path, recorded: str) -> bool:
+    """Whether a manifest's recorded base fingerprint names this base: today's fingerprint,
+    or, for a sharded base, the shard-by-shard one of adapters exported before (computed only
+    when today's does not match)."""
+    if fingerprints(model_dir).base == recorded:
+        return True
+    return len(model_weight_files(Path(model_dir))) > 1 and legacy_base_fingerprint(model_dir) == recorded
+
+
+def _config_and_vocab(model_dir: Path) -> tuple[dict, str]:
     from transformers import AutoConfig, AutoTokenizer
 
-    model_dir = Path(model_dir)
     try:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True).to_dict()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError) as err:
         raise KvshareError(f"{model_dir}: cannot read config or tokenizer ({err})") from None
-    arch = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
-    vocab = _tokenizer_digest(tokenizer)
+    return config, _tokenizer_digest(tokenizer)
 
+
+def _base_digest(model_dir: Path, config: dict, vocab: str, by_shard: bool) -> str:
+    """Architecture, vocabulary, and every tensor's name, dtype, shape and bytes in name
+    order: across all shards (the same tensors saved in other shards give the same digest),
+    or, ``by_shard``, shard by shard as before (:func:`legacy_base_fingerprint`)."""
+    arch = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
     digest = hashlib.sha256()
     digest.update(b"kvshare-base-v1\0")
     digest.update(json.dumps(arch, sort_keys=True, default=str).encode())
@@ -90,18 +119,25 @@ def compute_fingerprints(model_dir: Path) -> Fingerprints:
     files = model_weight_files(model_dir)
     # a 7B base is 14-28 GB to read once; small ones finish before a bar would say anything
     size = sum(file.stat().st_size for file in files)
-    with tqdm(total=size, unit="B", unit_scale=True, desc=f"fingerprinting {model_dir.name}", file=sys.stderr,
-              disable=None if size > _PROGRESS_BYTES else True) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in sorted(handle.keys()):
-                    if name in skip:
-                        continue
-                    tensor = handle.get_tensor(name).contiguous()
-                    digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
-                    digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-                    bar.update(tensor.nbytes)
-    return Fingerprints(f"sha256:{digest.hexdigest()}", f"sha256:{vocab}")
+    with ExitStack() as stack, tqdm(total=size, unit="B", unit_scale=True, desc=f"fingerprinting {model_dir.name}",
+                                    file=sys.stderr, disable=None if size > _PROGRESS_BYTES else True) as bar:
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        order = [(name, handle, file) for file, handle in zip(files, handles) for name in sorted(handle.keys())]
+        if not by_shard:
+            shard_of: dict[str, str] = {}
+            for name, _, file in order:
+                if name in shard_of:
+                    raise KvshareError(f"{model_dir}: tensor {name!r} is in two shards ({shard_of[name]}, {file.name})")
+                shard_of[name] = file.name
+            order.sort(key=lambda entry: entry[0])
+        for name, handle, _ in order:
+            if name in skip:
+                continue
+            tensor = handle.get_tensor(name).contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+            bar.update(tensor.nbytes)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def tokenizer_fingerprint_of(tokenizer) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import manifest, zoo
 from .errors import KvshareError
-from .fingerprint import base_fingerprint
+from .fingerprint import matches_base
 from .models import load_tokenizer, resolve_model_dir
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -32,12 +32,12 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
     from .train.trainer import train
 
     adapters = {}
-    base = base_fingerprint(resolve_model_dir(model))
+    base_dir = resolve_model_dir(model)
     for kind in ("icarus", "alora", "lora"):
         out = workdir / f"math-{kind}"
         adapter = out / "adapter"
         if (adapter / "kvshare.json").is_file():
-            if manifest.read(adapter)["base_model"]["fingerprint"] != base:
+            if not matches_base(base_dir, manifest.read(adapter)["base_model"]["fingerprint"]):
                 raise KvshareError(f"{workdir} holds adapters trained on another base than {model}; "
                                    "pass --workdir with a new folder")
         else:

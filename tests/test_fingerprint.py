@@ -29,6 +29,38 @@ def test_same_checkpoint_saved_again_keeps_it(tiny_llama, tmp_path):
     assert compute_fingerprints(again) == compute_fingerprints(tiny_llama)
 
 
+def _sharded_copy(model_dir, out):
+    """``model_dir``'s tensors in two shards whose order is not the names' order (layer 1's
+    tensors in the first file), with the index transformers writes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("model.safetensors", CACHE_FILE))
+    tensors = load_file(model_dir / "model.safetensors")
+    first = {k: v for k, v in tensors.items() if ".layers.1." in k}
+    second = {k: v for k, v in tensors.items() if k not in first}
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for name, part in zip(names, (first, second)):
+        save_file(part, out / name, metadata={"format": "pt"})
+    weight_map = {k: names[0] if k in first else names[1] for k in tensors}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def test_the_same_tensors_in_other_shards_keep_it(tiny_llama, tmp_path):
+    """Re-sharding a base (another max_shard_size) changes no tensor, so no fingerprint: its
+    adapters keep loading and its prefix keys stay the same. Before, tensors were hashed shard
+    by shard; that digest stays valid for manifests written then (:func:`matches_base`)."""
+    from kvshare.fingerprint import legacy_base_fingerprint, matches_base
+
+    sharded = _sharded_copy(tiny_llama, tmp_path / "sharded")
+    assert compute_fingerprints(sharded) == compute_fingerprints(tiny_llama)
+    legacy = legacy_base_fingerprint(sharded)
+    assert legacy != fingerprints(sharded).base  # layer 1 hashed first: the old digest differs
+    assert legacy_base_fingerprint(tiny_llama) == fingerprints(tiny_llama).base  # one file: no change
+    assert matches_base(sharded, legacy) and matches_base(sharded, fingerprints(sharded).base)
+    assert not matches_base(sharded, "sha256:" + "0" * 64) and not matches_base(tiny_llama, legacy)
+
+
 def test_different_checkpoints_never_share_one(tiny_models):
     folders = [tiny_models("llama"), tiny_models("llama", seed=1), tiny_models("llama", tied=False),
                tiny_models("mistral"), tiny_models("qwen2"), tiny_models("qwen3")]
