@@ -152,7 +152,8 @@ def markdown(results: dict) -> str:
                      f"{r['forkkv_bytes_per_agent'] / 1024:.0f} | {r['measured_ratio']:.4f} | "
                      f"{r['formula_ratio']:.4f} | {r['off_formula']:+.1%} |")
     lines += ["", "**Agents running at once in one byte budget**", "",
-              "| mode | agents | base pool tokens | residual tokens | peak running | wall s | tok/s | preemptions |",
+              "| mode | agents | base pool tokens | residual tokens | peak running | wall s "
+              "| generated tok/s (prefill in the wall time) | preemptions |",
               "|---|---|---|---|---|---|---|---|"]
     for r in results["concurrency"]:
         lines.append(f"| {r['mode']} | {r['agents']} | {r['kv_cache_tokens']} | {r['forkkv_residual_tokens'] or '-'} | "
