@@ -46,6 +46,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from ..errors import KvshareError
 from .async_engine import AsyncEngine, Overloaded
 from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
@@ -172,6 +173,27 @@ class ChatRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; needs logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: a ``prompt``, encoded as ``/v1/completions`` encodes it, or
+    ``messages``, rendered as ``/v1/chat/completions`` renders them for ``model`` (an adapter's
+    training system prompt and an aLoRA's invocation included), so the count is the prompt
+    the server would run."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # default: the first served base
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = False  # as /v1/completions (off by default, unlike vLLM)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadLoraRequest(BaseModel):
@@ -600,6 +622,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def models():
         """vLLM's model cards: ``root`` is where the weights came from, ``parent`` the base an
         adapter runs on (None for the base)."""
+        return {"object": "list", "data": model_cards()}
+
+    def model_cards() -> list[dict]:
         now, data = int(time.time()), []
         for base_name, engine in colocation.engines.items():  # each base, then its adapters
             data.append({"id": base_name, "object": "model", "created": now, "owned_by": "kvshare",
@@ -609,7 +634,51 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                 data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
                              "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
                              "kv_sharing": adapter.spec.scope.value})  # as served (ForkKV: "forkkv")
-        return {"object": "list", "data": data}
+        return data
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        """OpenAI's retrieve-model: one card of :func:`models`, or a 404 naming the model."""
+        card = next((c for c in model_cards() if c["id"] == aliases.get(model, model)), None)
+        if card is None:
+            raise ApiError(404, f"The model '{model}' does not exist", kind="not_found_error", param="model")
+        return {**card, "id": model}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def tokenizing_engine(model: str | None) -> tuple[LLMEngine, str | None]:
+        """The engine (and adapter) a tokenize request names; the first base when it names none."""
+        if model is None:
+            return next(iter(colocation.engines.values())), None
+        _, engine, adapter = resolve(model)
+        return engine, adapter
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        engine, adapter = tokenizing_engine(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        if req.messages is None:
+            special = req.add_special_tokens
+            tokens = await off_loop(lambda: engine.tokenizer.encode(req.prompt, add_special_tokens=special))
+        else:
+            messages = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(req.messages)]
+            try:
+                tokens = await off_loop(engine.chat_prompt, messages, adapter)
+            except (TemplateError, ValueError) as err:
+                raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        engine, _ = tokenizing_engine(req.model)
+        vocab = engine.runner.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="tokens")
+        return {"prompt": await off_loop(engine.tokenizer.decode, req.tokens)}
 
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         """Each of ``n`` choices' params: with a seed, choice i draws with seed + i (as vLLM),

@@ -63,6 +63,38 @@ def test_models_lists_base_and_adapters_with_their_sharing(client):
     assert models["lora-a"].model_extra["kv_sharing"] == "none"
 
 
+def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server, tokenizer):
+    """vLLM's /tokenize counts the prompt the server would run: a prompt as completions
+    encode it, messages as the chat endpoint renders them for the adapter (an aLoRA's
+    invocation included); /detokenize, /version and OpenAI's retrieve-model; bad input is a
+    4xx in OpenAI's error shape."""
+    url, engine = server["url"], server["engine"]
+    prompt = "What is 12 plus 30? Answer:"
+    got = httpx.post(f"{url}/tokenize", json={"model": "lora-a", "prompt": prompt}).json()
+    assert got["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 256
+    messages = [{"role": "user", "content": "Check this."}]
+    chat = httpx.post(f"{url}/tokenize", json={"model": "alora-a", "messages": messages}).json()
+    assert chat["tokens"] == engine.chat_prompt(messages, "alora-a")
+    assert chat["tokens"][-len(engine.adapter("alora-a").invocation):] == list(engine.adapter("alora-a").invocation)
+    assert httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"] == got["tokens"]  # default base
+    back = httpx.post(f"{url}/detokenize", json={"model": "tiny-base", "tokens": got["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(got["tokens"])}
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert client.models.retrieve("icarus-a").model_extra["kv_sharing"] == "all"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
+    for path, body, status, words in [
+        ("/tokenize", {"model": "lora-a"}, 400, "either prompt or messages"),
+        ("/tokenize", {"prompt": "a", "messages": messages}, 400, "either prompt or messages"),
+        ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "nope"),
+        ("/tokenize", {"prompt": "a", "extra": 1}, 400, "extra"),
+        ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "outside the vocabulary"),
+    ]:
+        reply = httpx.post(url + path, json=body)
+        assert reply.status_code == status and words in reply.json()["error"]["message"], reply.text
+
+
 def test_completion_matches_the_engine(client, server, tokenizer):
     prompt = "What is 12 plus 30? Answer:"
     out = client.completions.create(model="lora-a", prompt=prompt, max_tokens=12, temperature=0)
