@@ -77,13 +77,20 @@ def compute_fingerprints(model_dir: Path) -> Fingerprints:
     return Fingerprints(_base_digest(model_dir, config, vocab, by_shard=False), f"sha256:{vocab}")
 
 
+_LEGACY: dict[tuple[str, str], str] = {}  # (folder, its files' sizes and times) -> legacy digest, per process
+
+
 def legacy_base_fingerprint(model_dir: Path) -> str:
     """The base fingerprint as kvshare computed it before it was independent of sharding
     (tensors hashed shard by shard): what manifests of adapters exported then record. Equal
-    to :func:`base_fingerprint` for a model in one file."""
+    to :func:`base_fingerprint` for a model in one file. Kept for the process, so a server
+    loading several such adapters hashes the base once."""
     model_dir = Path(model_dir)
-    config, vocab = _config_and_vocab(model_dir)
-    return _base_digest(model_dir, config, vocab, by_shard=True)
+    key = (str(model_dir.resolve()), json.dumps(_file_stats(model_dir)))
+    if key not in _LEGACY:
+        config, vocab = _config_and_vocab(model_dir)
+        _LEGACY[key] = _base_digest(model_dir, config, vocab, by_shard=True)
+    return _LEGACY[key]
 
 
 def matches_base(model_dir: Path, recorded: str) -> bool:
