@@ -132,8 +132,8 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
     if not adapter_dir.is_dir():
         raise KvshareError(f"{adapter_dir}: no such adapter folder")
     data = manifest.read(adapter_dir)
+    ckpt = read_peft_checkpoint(adapter_dir)  # first: a missing or pickled file gets its own message
     manifest.check_files(data, adapter_dir)
-    ckpt = read_peft_checkpoint(adapter_dir)
     modules = lora_modules(ckpt)
     kind = parse_kind(data["kind"])
     leaves = target_leaves(ckpt, modules)

@@ -52,8 +52,9 @@ def fingerprints(model_dir: Path) -> Fingerprints:
     if cache.is_file():
         try:
             data = json.loads(cache.read_text())
-            if data.get("version") == CACHE_VERSION and data.get("files") == stats:
-                return Fingerprints(data["base"], data["tokenizer"])
+            if data.get("files") == stats and (data.get("version") == CACHE_VERSION or (
+                    data.get("version") == 1 and len(model_weight_files(model_dir)) == 1)):
+                return Fingerprints(data["base"], data["tokenizer"])  # version 1 = 2 for one file
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             pass  # a damaged cache is simply recomputed
     result = compute_fingerprints(model_dir)

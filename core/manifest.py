@@ -126,13 +126,18 @@ EXPORTED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 
 def file_digests(folder: Path) -> dict[str, str]:
-    """sha256 of the adapter's files in ``folder``: what the manifest's ``files`` records."""
+    """sha256 of the adapter's files in ``folder``: what the manifest's ``files`` records. The
+    config is hashed as canonical JSON, so a checkout that rewrites line ends or a re-indent
+    is not a change; its values are."""
     digests = {}
     for name in EXPORTED_FILES:
         h = hashlib.sha256()
-        with open(Path(folder) / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        if name.endswith(".json"):
+            h.update(json.dumps(read_json(Path(folder) / name), sort_keys=True, separators=(",", ":")).encode())
+        else:
+            with open(Path(folder) / name, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
         digests[name] = "sha256:" + h.hexdigest()
     return digests
 

@@ -218,8 +218,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                                                                "param": param, "code": status}})
 
 
+_GUARDED = frozenset({"/tokenize", "/detokenize"})  # beside /v1/*: /health, /metrics, /version stay open
+
+
 class _ApiKeyGuard:
-    """Require ``Authorization: Bearer KEY`` on /v1/*, compared in constant time.
+    """Require ``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize (these read
+    an adapter's names and training system prompt), compared in constant time.
 
     A pure ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) hides the
     client's disconnect from handlers, so a non-streaming request could never be cancelled.
@@ -229,7 +233,7 @@ class _ApiKeyGuard:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _GUARDED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _error(401, "invalid API key", kind="authentication_error")(scope, receive, send)

@@ -66,6 +66,19 @@ def test_a_mixed_step_of_every_kind_gives_the_eager_tokens(engines, tokenizer, i
     assert {(8, True, 2), (4, True, 2), (1, False, 1)} <= set(step.graphs)  # ICaRus pairs: 2 rows a sequence
 
 
+def test_adapters_that_leave_projections_unadapted_run_in_the_graph(base, adapters, tokenizer, invocation):
+    """An aLoRA and a q/v LoRA adapt q/k/v only: o, gate/up and down have no part to add
+    (the one-launch-per-fused-projection call failed on them, and the engine went eager)."""
+    names = ["alora-a", "lora-b"]
+    graphed, eager = (LLM(base, [adapters[n] for n in names], **SETTINGS) for _ in range(2))
+    step = _graphed(graphed)
+    prompts = [prompts_for(tokenizer, 1)[0] + invocation, prompts_for(tokenizer, 2)[1]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got, want = (_generate(llm, prompts, names, params) for llm in (graphed, eager))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert step.unavailable is None and step.steps >= 5 and set(step.lora.parts) == {"q_proj", "k_proj", "v_proj"}
+
+
 def test_pad_rows_never_write_the_cache(engines, tokenizer):
     """Three decode rows run in the 4-row bucket; only the three real rows' slots change."""
     graphed, _ = engines

@@ -296,7 +296,10 @@ def test_adapter_files_changed_after_export_are_refused(cli, checkpoints, base, 
     (out / "adapter_model.safetensors").write_bytes(exported)
     assert cli("inspect", out, "--base", base).code == 0  # the exported bytes again
     config = out / "adapter_config.json"
-    config.write_text(config.read_text() + "\n")
+    values = json.loads(config.read_text())
+    config.write_text(json.dumps(values, indent=4).replace("\n", "\r\n"))  # re-indented, CRLF: not a change
+    assert cli("inspect", out).code == 0
+    config.write_text(json.dumps({**values, "lora_dropout": 0.25}))
     assert_one_line_error(cli("inspect", out), "adapter_config.json changed since it was exported")
     data = json.loads((out / "kvshare.json").read_text())
     del data["files"]  # exported before kvshare recorded digests

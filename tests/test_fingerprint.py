@@ -61,6 +61,18 @@ def test_the_same_tensors_in_other_shards_keep_it(tiny_llama, tmp_path):
     assert not matches_base(sharded, "sha256:" + "0" * 64) and not matches_base(tiny_llama, legacy)
 
 
+def test_a_version_1_cache_of_a_single_file_model_still_serves(tiny_llama, monkeypatch):
+    """Its digest did not change (one file: shard order is name order), so a 7B model in one
+    file is not hashed again after the cache's version moved; a sharded one is."""
+    import kvshare.fingerprint as fp
+
+    prints = fingerprints(tiny_llama)
+    cache = json.loads((tiny_llama / CACHE_FILE).read_text())
+    (tiny_llama / CACHE_FILE).write_text(json.dumps({**cache, "version": 1}))
+    monkeypatch.setattr(fp, "compute_fingerprints", lambda model_dir: pytest.fail("hashed again"))
+    assert fingerprints(tiny_llama) == prints
+
+
 def test_different_checkpoints_never_share_one(tiny_models):
     folders = [tiny_models("llama"), tiny_models("llama", seed=1), tiny_models("llama", tied=False),
                tiny_models("mistral"), tiny_models("qwen2"), tiny_models("qwen3")]

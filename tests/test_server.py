@@ -69,16 +69,20 @@ def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server, token
     invocation included); /detokenize, /version and OpenAI's retrieve-model; bad input is a
     4xx in OpenAI's error shape."""
     url, engine = server["url"], server["engine"]
+    auth = {"Authorization": f"Bearer {KEY}"}
     prompt = "What is 12 plus 30? Answer:"
-    got = httpx.post(f"{url}/tokenize", json={"model": "lora-a", "prompt": prompt}).json()
+    assert httpx.post(f"{url}/tokenize", json={"prompt": prompt}).status_code == 401  # adapter names, system prompts
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}).status_code == 401
+    got = httpx.post(f"{url}/tokenize", headers=auth, json={"model": "lora-a", "prompt": prompt}).json()
     assert got["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
     assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 256
     messages = [{"role": "user", "content": "Check this."}]
-    chat = httpx.post(f"{url}/tokenize", json={"model": "alora-a", "messages": messages}).json()
+    chat = httpx.post(f"{url}/tokenize", headers=auth, json={"model": "alora-a", "messages": messages}).json()
     assert chat["tokens"] == engine.chat_prompt(messages, "alora-a")
     assert chat["tokens"][-len(engine.adapter("alora-a").invocation):] == list(engine.adapter("alora-a").invocation)
-    assert httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"] == got["tokens"]  # default base
-    back = httpx.post(f"{url}/detokenize", json={"model": "tiny-base", "tokens": got["tokens"]}).json()
+    default_base = httpx.post(f"{url}/tokenize", headers=auth, json={"prompt": prompt}).json()
+    assert default_base["tokens"] == got["tokens"]
+    back = httpx.post(f"{url}/detokenize", headers=auth, json={"model": "tiny-base", "tokens": got["tokens"]}).json()
     assert back == {"prompt": tokenizer.decode(got["tokens"])}
     assert httpx.get(f"{url}/version").json()["version"]
     assert client.models.retrieve("icarus-a").model_extra["kv_sharing"] == "all"
@@ -91,7 +95,7 @@ def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server, token
         ("/tokenize", {"prompt": "a", "extra": 1}, 400, "extra"),
         ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "outside the vocabulary"),
     ]:
-        reply = httpx.post(url + path, json=body)
+        reply = httpx.post(url + path, headers=auth, json=body)
         assert reply.status_code == status and words in reply.json()["error"]["message"], reply.text
 
 

@@ -246,7 +246,11 @@ def _how_steps_ran(llm: LLM) -> str:
     kind = "CUDA graphs" if isinstance(fast, GraphedStep) else "compiled step"
     if fast.unavailable is not None:
         return f"eager ({kind} gave up: {fast.unavailable})"
-    return f"{kind} ({fast.steps} steps)"
+    lora = ""
+    if isinstance(fast, GraphedStep):  # the graphs' multi-part LoRA kernel may have fallen back
+        from ...kernels.triton import bgmv
+        lora = f"; LoRA parts launched one by one: {bgmv._parts_failed}" if bgmv._parts_failed else ""
+    return f"{kind} ({fast.steps} steps{lora})"
 
 
 def _bench_prompts(tokenizer, lengths: tuple[int, ...]):

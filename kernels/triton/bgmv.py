@@ -163,6 +163,8 @@ def bgmv_lora_add_parts(y: torch.Tensor, x: torch.Tensor, parts: list[tuple[int,
     q/k/v) where the shrink can be computed again by each column tile (as in the one-launch
     form of :func:`bgmv_lora_add`): on a GPU each launch costs a few microseconds whatever
     its work, which is what a small model's pair step pays (``results/engine-gpu``)."""
+    if not parts:  # no part of this projection is adapted (an aLoRA's o, gate/up, down)
+        return
     if len(parts) == 1 or len(parts) > 3 or x.shape[0] == 0:
         return _each_part(y, x, parts, index, scale)
     require_gpu_tensor(x, INTERPRETED)

@@ -57,7 +57,8 @@ if __name__ == "__main__":
             llm.engine.warm_up((1,))
             llm.engine.warm_up((2,), adapters=True)
         r = _pair_step_ratio(llm, prompt, name, times=5 if on_gpu else 1)
-        launches = "a launch a fused projection" if one_launch else "a launch a part"
+        launches = ("a launch a fused projection" if one_launch and bgmv._parts_failed is None else
+                    f"a launch a part ({bgmv._parts_failed})")  # the multi-part kernel may have failed here
         line = (f"tile {tile:5d}, warps <= {warps}, {launches}: engine step base {r['base_step_s'] * 1e3:.2f} ms, "
                 f"pair {r['icarus_step_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}x")
         if step is not None:
