@@ -186,6 +186,7 @@ def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None
     header, records = _read_log(path)
     if header is None and not records:
         return {}
+    settings = _as_logged_base(header, settings)
     records = _rejudged(path, header, records, settings, task)
     retry = "rerun with --overwrite to generate every sample again, or use another --out"
     if header is None:
@@ -197,6 +198,23 @@ def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None
         raise KvshareError(f"{path} holds samples made with other settings "
                            f"({settings_diff(header.get('settings') or {}, settings)}); {retry}")
     return records
+
+
+def _as_logged_base(header: dict | None, settings: dict) -> dict:
+    """``settings`` under the base fingerprint the log's header names, when that is this
+    base's shard-by-shard digest from before fingerprints ignored sharding
+    (:func:`kvshare.fingerprint.matches_base`): a sharded base's logged samples still count."""
+    logged = ((header or {}).get("settings") or {}).get("base_fingerprint")
+    if not logged or logged == settings.get("base_fingerprint"):
+        return settings
+    from ..fingerprint import matches_base
+    from ..models import resolve_model_dir
+
+    try:
+        same = matches_base(resolve_model_dir(settings["model"]), logged)
+    except (KvshareError, OSError, KeyError):
+        same = False
+    return {**settings, "base_fingerprint": logged} if same else settings
 
 
 def _rejudged(path: Path, header: dict | None, records: dict[str, dict], settings: dict,

@@ -181,6 +181,36 @@ def test_samples_judged_by_an_older_rule_are_judged_again_on_resume(tmp_path):
     assert [r["output"] for r in rewritten[1:]] == [r["output"] for r in lines[1:]]
 
 
+def test_a_sharded_bases_log_from_before_shard_free_fingerprints_resumes(tmp_path):
+    """Logs record the base fingerprint; a sharded base's changed when fingerprints stopped
+    depending on sharding. A log under its old (shard-by-shard) digest still resumes, its
+    samples kept; a log of another base is still refused."""
+    from kvshare.eval.harness import settings_hash
+    from kvshare.fingerprint import legacy_base_fingerprint
+    from kvshare.testing import make_tiny_model
+
+    from test_fingerprint import _sharded_copy
+
+    model = _sharded_copy(make_tiny_model(tmp_path / "one-file", max_position_embeddings=8192), tmp_path / "sharded")
+    out = tmp_path / "out"
+    evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    legacy = legacy_base_fingerprint(model)
+    assert legacy != lines[0]["settings"]["base_fingerprint"]
+    lines[0]["settings"]["base_fingerprint"] = legacy  # as a kvshare before this one wrote it
+    lines[0]["settings_hash"] = settings_hash(lines[0]["settings"])
+    for record in lines[1:]:
+        record["output"] += " (kept)"  # a resumed log is not generated again
+    (out / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    assert all(s["output"].endswith(" (kept)") for s in logged_samples(out / "samples.jsonl"))
+    lines[0]["settings"]["base_fingerprint"] = "sha256:" + "1" * 64  # another base
+    lines[0]["settings_hash"] = settings_hash(lines[0]["settings"])
+    (out / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(KvshareError, match="other settings"):
+        evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+
+
 def test_alora_adapters_are_evaluated_with_their_invocation(tiny_models, tmp_path):
     """As trained: conversation, then the invocation, no assistant header (else PEFT's rule
     would never switch the adapter on)."""
