@@ -186,7 +186,7 @@ def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None
     header, records = _read_log(path)
     if header is None and not records:
         return {}
-    settings = _as_logged_base(header, settings)
+    settings = as_logged_base(header, settings)
     records = _rejudged(path, header, records, settings, task)
     retry = "rerun with --overwrite to generate every sample again, or use another --out"
     if header is None:
@@ -200,8 +200,9 @@ def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None
     return records
 
 
-def _as_logged_base(header: dict | None, settings: dict) -> dict:
-    """``settings`` under the base fingerprint the log's header names, when that is this
+def as_logged_base(header: dict | None, settings: dict) -> dict:
+    """``settings`` under the base fingerprint ``header`` (a log's header, or a results.json:
+    anything with the ``settings`` it was made with) names, when that is this
     base's shard-by-shard digest from before fingerprints ignored sharding
     (:func:`kvshare.fingerprint.matches_base`): a sharded base's logged samples still count."""
     logged = ((header or {}).get("settings") or {}).get("base_fingerprint")
