@@ -400,6 +400,8 @@ class LLMEngine:
         if self.sequences:
             raise KvshareError("join_arena needs an idle engine")
         view = arena.view(name)
+        if self._blocks.tier is not None:
+            self._blocks.tier.clear()  # loads in flight write the old pool's block ids: let them land there first
         self.runner.use_kv_memory(view)
         if stream_rows:
             self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)

@@ -392,3 +392,23 @@ def test_an_engine_with_loads_in_flight_is_unfinished_until_they_land(base, fixe
         assert stats["blocks_in_use"] == 0 and stats["host_loads_in_flight"] == 0, stats
     assert llm.engine.stats()["host_prefetched_blocks"] > 0
     llm.engine.reset_prefix_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (the CPU tier copies in order)")
+def test_a_load_lands_after_the_engines_queued_kernels_on_its_block():
+    """A load's copy runs on the tier's own stream: it must wait for the kernels the engine
+    already queued on that device block (the last step's writes, when the block was freed by
+    an abort between steps and the step ended with no sync), or they overwrite what it loaded."""
+    kv = torch.zeros(4, 2, 2, 4, 1, 8, device="cuda")
+    tier = HostTier(kv, 2)
+    kv[1].fill_(3.0)
+    assert tier.offload(b"prefix", 1, None)  # the host now holds 3s
+    torch.cuda._sleep(int(5e8))  # the engine's stream is busy for a while...
+    kv[1].fill_(7.0)  # ...then the last step writes the freed block
+    tier.load(b"prefix", 1, demand=True)
+    landed = []
+    while not landed:
+        tier.wait(1.0)
+        landed = tier.landed()
+    torch.cuda.synchronize()
+    assert torch.all(kv[1] == 3.0)  # the load came after the write, as the engine asked

@@ -47,6 +47,9 @@ class Transfer:
     host_block: int = field(compare=False)
     device_block: int = field(compare=False)
     started: bool = field(default=False, compare=False)
+    # on CUDA: recorded on the engine's stream when the load was asked for; the copy waits for
+    # it, so it lands after every kernel already queued that reads or writes its device block
+    after: object = field(default=None, compare=False)
 
 
 class HostTier:
@@ -140,7 +143,8 @@ class HostTier:
     # host -> device ---------------------------------------------------------------------------
     def load(self, key: bytes, device_block: int, demand: bool) -> None:
         """Start copying ``key`` into ``device_block`` on the copy thread."""
-        transfer = Transfer(0 if demand else 1, next(self._order), key, self.index[key], device_block)
+        transfer = Transfer(0 if demand else 1, next(self._order), key, self.index[key], device_block,
+                            after=self._engine_stream_mark())
         with self._cond:
             self.loading[key] = transfer
         self.touch(key)
@@ -154,8 +158,19 @@ class HostTier:
             if current is None or current.started or current.priority == 0:
                 return
             # the queued prefetch entry goes stale: the worker only runs the key's current entry
-            self.loading[key] = Transfer(0, next(self._order), key, current.host_block, current.device_block)
+            self.loading[key] = Transfer(0, next(self._order), key, current.host_block, current.device_block,
+                                         after=current.after)
         self._queue.put(self.loading[key])
+
+    def _engine_stream_mark(self):
+        """A CUDA event on the engine's current stream: the device block a load is about to
+        fill may still be read or written by the last step's kernels (its blocks freed by an
+        abort or a preemption between steps, a step of prompt chunks that ended with no sync)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device_kv.device))
+        return event
 
     def landed(self) -> list[Transfer]:
         """Loads that finished since the last call (called by the engine thread each step)."""
@@ -186,6 +201,7 @@ class HostTier:
             start = time.perf_counter()
             if self.cuda:
                 with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(current.after)  # the engine's earlier kernels are done with the block
                     self.device_kv[current.device_block].copy_(self.host_kv[current.host_block],
                                                                      non_blocking=True)
                 self.stream.synchronize()

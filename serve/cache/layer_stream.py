@@ -82,6 +82,7 @@ class LayerStream:
         def slots(s: torch.Tensor) -> torch.Tensor:
             return torch.where(s >= 0, rename[torch.div(s, bs, rounding_mode="floor").clamp(min=0)] * bs + s % bs, s)
 
+        self._wait()  # a step that failed mid-way may have left a layer's copy in flight over the buffer
         self._blocks, self._meta = blocks, meta
         self._renamed = dataclasses.replace(
             meta, slot_mapping=slots(meta.slot_mapping), key_slots=slots(meta.key_slots),
