@@ -400,14 +400,12 @@ class LLMEngine:
         if self.sequences:
             raise KvshareError("join_arena needs an idle engine")
         view = arena.view(name)
-        if self._blocks.tier is not None:
-            self._blocks.tier.clear()  # loads in flight write the old pool's block ids: let them land there first
         self.runner.use_kv_memory(view)
         if stream_rows:
             self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)
-        if self._blocks.tier is not None:
+        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))  # the tier's loads in flight land first
+        if self._blocks.tier is not None:  # only then: they write the old pool's block ids
             self._blocks.tier.device_kv = view
-        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
         if self._blocks.residual is not None and self.config.forkkv_residual_tokens is None:
             self._blocks.residual = None  # its default size: from the blocks held now, not those it was built with
             self._ensure_residual_pool()

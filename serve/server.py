@@ -652,6 +652,15 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def version():
         return {"version": __version__}
 
+    async def chat_tokens(engine: LLMEngine, messages: list[ChatMessage], adapter: str | None) -> list[int]:
+        """The prompt a chat runs as for ``adapter`` (:meth:`LLMEngine.chat_prompt`); a 400
+        when the chat template refuses the messages."""
+        plain = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
+        try:
+            return await off_loop(engine.chat_prompt, plain, adapter)
+        except (TemplateError, ValueError) as err:  # the template refused these messages
+            raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+
     def tokenizing_engine(model: str | None) -> tuple[LLMEngine, str | None]:
         """The engine (and adapter) a tokenize request names; the first base when it names none."""
         if model is None:
@@ -668,11 +677,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             special = req.add_special_tokens
             tokens = await off_loop(lambda: engine.tokenizer.encode(req.prompt, add_special_tokens=special))
         else:
-            messages = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(req.messages)]
-            try:
-                tokens = await off_loop(engine.chat_prompt, messages, adapter)
-            except (TemplateError, ValueError) as err:
-                raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+            tokens = await chat_tokens(engine, req.messages, adapter)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
 
     @app.post("/detokenize")
@@ -739,11 +744,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def chat(req: ChatRequest, request: Request):
         base, engine, adapter = resolve(req.model)
         check_limits(req, limits, engine.runner.vocab_size)
-        messages = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(req.messages)]
-        try:
-            prompt = await off_loop(engine.chat_prompt, messages, adapter)
-        except (TemplateError, ValueError) as err:  # the template refused these messages
-            raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+        prompt = await chat_tokens(engine, req.messages, adapter)
         # without a limit, the rest of the context (as OpenAI and vLLM)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_request_tokens() - len(prompt))
         check_prompt(engine, prompt, max_tokens)

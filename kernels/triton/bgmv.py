@@ -165,7 +165,8 @@ def bgmv_lora_add_parts(y: torch.Tensor, x: torch.Tensor, parts: list[tuple[int,
     its work, which is what a small model's pair step pays (``results/engine-gpu``)."""
     if not parts:  # no part of this projection is adapted (an aLoRA's o, gate/up, down)
         return
-    if len(parts) == 1 or len(parts) > 3 or x.shape[0] == 0:
+    global _parts_failed
+    if len(parts) == 1 or len(parts) > 3 or x.shape[0] == 0 or _parts_failed is not None:
         return _each_part(y, x, parts, index, scale)
     require_gpu_tensor(x, INTERPRETED)
     if y.stride(-1) != 1:
@@ -193,9 +194,6 @@ def bgmv_lora_add_parts(y: torch.Tensor, x: torch.Tensor, parts: list[tuple[int,
     widths, tiles = widths + [0] * pad, tiles + [0] * pad
     bs = [b.stride(0) for b in b_s] + [0] * pad
     br = [b.stride(1) for b in b_s] + [0] * pad
-    global _parts_failed
-    if _parts_failed is not None:
-        return _each_part(y, x, parts, index, scale)
     try:
         _parts_kernel[(x.shape[0], sum(tiles))](
             x, a_s[0], b_s[0], y[:, firsts[0]:], index, scale, a_offsets[1], a_offsets[2], b_offsets[1],
