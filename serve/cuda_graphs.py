@@ -26,6 +26,7 @@ buffers without recording, which is how the tests check it on CPU (Triton's inte
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,21 @@ _FIRST_TABLE_BLOCKS = 64  # block-table columns the buffers start with; doubled 
 def _power_of_two(n: int) -> int:
     """The smallest power of two >= ``n``."""
     return 1 << max(0, n - 1).bit_length()
+
+
+GRAPH_LORA_KERNELS = ("bgmv", "fused")
+
+
+def graph_lora_kernel() -> str:
+    """How an adapted graph step adds its rows' LoRA deltas (``KVSHARE_GRAPH_LORA``): ``bgmv``
+    (default, timed on an H200 in session 27: cuBLAS's projection, then one BGMV launch for
+    its adapted parts) or ``fused`` (the projection and the deltas in one Triton launch,
+    :mod:`kvshare.kernels.triton.linear_lora`, for steps of at most 16 rows; tested, not yet
+    timed on a GPU: ``results/engine-gpu/scripts/bgmv_sweep.py`` compares the two)."""
+    kernel = os.environ.get("KVSHARE_GRAPH_LORA", "bgmv")
+    if kernel not in GRAPH_LORA_KERNELS:
+        raise KvshareError(f"KVSHARE_GRAPH_LORA must be one of {', '.join(GRAPH_LORA_KERNELS)}, not {kernel!r}")
+    return kernel
 
 
 def graphs_wanted(mode: str, device: torch.device, model: Model) -> bool:
@@ -75,6 +91,7 @@ class GraphedStep(BucketedStep):
                  max_loras: int = 8, max_lora_rank: int = 64, capture: bool = True):
         super().__init__(model, max_rows, max_loras, max_lora_rank)
         self.block_size, self.capture = block_size, capture
+        self.lora_kernel = graph_lora_kernel()
         device, rows = model.embed.device, self.buckets[-1]
         self.device = device
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -171,6 +188,7 @@ class GraphedStep(BucketedStep):
         """The decoder over the first ``size`` rows of the buffers: what a graph records."""
         from ..kernels.triton.attention import launch_paged_attention, launch_shape, split_partials, write_kv
         from ..kernels.triton.bgmv import bgmv_lora_add_parts
+        from ..kernels.triton.linear_lora import fits, linear_lora
 
         m = self.model
         launch = launch_shape(m.n_q, m.n_kv, size, seq_rows, self.tables.shape[1] * self.block_size, self.device)
@@ -196,13 +214,15 @@ class GraphedStep(BucketedStep):
             weights = dict(zip(PARTS, zip(stacks[0::2], stacks[1::2])))
 
             def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-                y = linear(x, weight, bias)
                 parts, first = [], 0
                 for name, width in m.fused[fused]:
                     a, b_t = weights[name]
                     if a.shape[-2]:  # a projection some adapter adapts
                         parts.append((first, a[i], b_t[i]))
                     first += width
+                if parts and self.lora_kernel == "fused" and fits(x, weight, parts):
+                    return linear_lora(x, weight, bias, parts, index, scale)  # one launch in all
+                y = linear(x, weight, bias)
                 bgmv_lora_add_parts(y, x, parts, index, scale)  # one launch for the fused projection
                 return y
 

@@ -176,6 +176,41 @@ def test_a_graphed_pair_step_adds_one_kernel_per_adapted_fused_projection(engine
     assert projections and added == projections == bgmv, (added, projections)
 
 
+def test_fused_lora_projections_give_the_eager_tokens_with_a_base_steps_kernel_count(base, adapters, tokenizer,
+                                                                                      monkeypatch):
+    """``KVSHARE_GRAPH_LORA=fused``: each adapted projection and its rows' deltas are one Triton
+    launch, so a pair step records as many kernels as a base step (the LoRA launch gone, the
+    projection's own replaced), and ICaRus and LoRA agents still get the eager engine's tokens."""
+    from kvshare.kernels.triton.launch_count import count_launches
+
+    monkeypatch.setenv("KVSHARE_GRAPH_LORA", "fused")
+    names = ["icarus-a", "lora-a"]
+    graphed, eager = (LLM(base, [adapters[n] for n in names], **SETTINGS) for _ in range(2))
+    step = _graphed(graphed)
+    assert step.lora_kernel == "fused"
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    got, want = (_generate(llm, prompts_for(tokenizer, 2), names, params) for llm in (graphed, eager))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert step.unavailable is None and (4, True, 2) in step.graphs  # a pair and a LoRA row: 3 rows
+    runner = graphed.engine.runner
+    counts = []
+    for adapted, rows in ((False, 1), (True, 2)):
+        with torch.no_grad(), count_launches() as launched:
+            step._decode(runner.kv_cache, 4, adapted, rows)
+        counts.append(launched)
+    fused = {name for name, parts in runner.model.fused.items() if any(p in step.lora.parts for p, _ in parts)}
+    assert counts[1]["triton:_linear_lora_kernel"] == len(fused) * runner.model.n_layers > 0
+    assert sum(counts[1].values()) == sum(counts[0].values()), (counts[1], counts[0])
+
+
+def test_a_graph_lora_kernel_that_does_not_exist_is_a_clear_error(base, monkeypatch):
+    from kvshare.serve.cuda_graphs import graph_lora_kernel
+
+    monkeypatch.setenv("KVSHARE_GRAPH_LORA", "sgmv")
+    with pytest.raises(KvshareError, match="KVSHARE_GRAPH_LORA must be one of bgmv, fused"):
+        graph_lora_kernel()
+
+
 def test_when_it_is_chosen(base, monkeypatch):
     """On a GPU, with the Triton attention kernels and plain projections; never on CPU."""
     monkeypatch.delenv("KVSHARE_COMPILE", raising=False)

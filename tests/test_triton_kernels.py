@@ -316,6 +316,59 @@ def test_bgmv_parts_of_a_fused_projection_are_one_launch_equal_to_each_part_alon
     assert sum(launched.values()) == (1 if widths else 0), launched  # no adapted part (an aLoRA's o): nothing
 
 
+@pytest.mark.parametrize("rows,adapted_widths,bias", [
+    (2, ((0, 32),), True),  # an ICaRus pair's q of a q/k/v projection: k and v columns get no delta
+    (5, ((0, 32), (48, 32)), False),  # gate/up: both parts, a gap between them
+    (16, ((16, 16), (32, 32), (64, 16)), True),  # three parts, a full tile of rows
+    (1, (), True),  # no adapted part: a plain projection
+    (3, ((0, 80),), False),  # a part wider than a tile, output columns past a tile's edge
+])
+def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths, bias):
+    """The fused decode projection: ``x W^T + b`` and each row's LoRA delta from its own slot
+    (rows of scale 0, slot ignored, get the projection alone), equal to ``F.linear`` plus
+    :func:`lora_delta` of each adapted part, in one launch."""
+    import torch.nn.functional as F
+
+    from kvshare.kernels.triton.launch_count import count_launches
+    from kvshare.kernels.triton.linear_lora import fits, linear_lora
+    from kvshare.serve.lora_slots import lora_delta
+
+    gen = torch.Generator().manual_seed(7)
+    slots, rank, d_in, d_out = 3, 8, 72, 100
+    x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
+    weight = torch.randn(d_out, d_in, generator=gen).to(DEVICE)
+    b = torch.randn(d_out, generator=gen).to(DEVICE) if bias else None
+    index = torch.randint(0, slots, (rows,), generator=gen).to(DEVICE)
+    scale = torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0] * 4, device=DEVICE)[:rows]
+    want, parts = F.linear(x, weight, b), []
+    for first, width in adapted_widths:
+        a = torch.randn(slots, rank, d_in, generator=gen).to(DEVICE)
+        b_t = torch.randn(slots, rank, width, generator=gen).to(DEVICE)
+        a[1, rank // 2:], b_t[1, rank // 2:] = 0, 0  # a smaller adapter, zero-padded in the stack
+        want[:, first:first + width] += lora_delta(x, a, b_t, index, scale)
+        parts.append((first, a, b_t))
+    assert fits(x, weight, parts)
+    with count_launches() as launched:
+        y = linear_lora(x, weight, b, parts, index, scale)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+    assert sum(launched.values()) == 1, launched
+
+
+def test_linear_lora_declines_what_it_cannot_take():
+    """Too many rows, a weight of another dtype or layout, parts whose edges a tile cannot follow
+    or that differ in rank: the caller keeps cuBLAS and the BGMV kernel."""
+    from kvshare.kernels.triton.linear_lora import MAX_ROWS, fits
+
+    x, w = torch.randn(2, 32), torch.randn(64, 32)
+    a, b_t = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    assert fits(x, w, [(0, a, b_t)])
+    assert not fits(torch.randn(MAX_ROWS + 1, 32), w, [(0, a, b_t)])
+    assert not fits(x, w.double(), [(0, a, b_t)])
+    assert not fits(x, object(), [(0, a, b_t)])  # a packed or quantised weight
+    assert not fits(x, w, [(8, a, b_t[..., :24])])  # edges at 8 and 32 columns: no 16-column tile follows
+    assert not fits(x, w, [(0, a, b_t), (32, a[:, :2], b_t[:, :2])])  # ranks differ
+
+
 def test_a_multi_part_kernel_that_cannot_compile_falls_back_to_one_launch_a_part(monkeypatch, caplog):
     """On a GPU whose compiler rejects the multi-part kernel, the parts launch one by one
     (logged once, never tried again) instead of failing the graph and the engine's speed."""
