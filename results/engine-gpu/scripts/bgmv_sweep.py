@@ -47,18 +47,22 @@ if __name__ == "__main__":
         torch.cuda.synchronize()
         return begin.elapsed_time(end) / n
 
-    # (tile, most warps, the adapted parts of a fused projection in one launch): session 25's
-    # kernel first, then session 27's tile, then session 27's kernel (its defaults)
-    for tile, warps, one_launch in ((4096, 4, False), (16384, 8, False), (16384, 8, True)):
+    # (tile, most warps, the adapted parts of a fused projection in one launch, the graph's LoRA
+    # kernel): session 25's kernel first, then session 27's tile, then session 27's kernel (the
+    # default), then session 28's projection and LoRA in one launch (KVSHARE_GRAPH_LORA=fused)
+    for tile, warps, one_launch, lora_kernel in ((4096, 4, False, "bgmv"), (16384, 8, False, "bgmv"),
+                                                 (16384, 8, True, "bgmv"), (16384, 8, True, "fused")):
         bgmv._TILE, bgmv._MAX_WARPS = tile, warps
         bgmv._parts_failed = None if one_launch else "the sweep's choice"
         if step is not None:
+            step.lora_kernel = lora_kernel
             step.graphs.clear()
             llm.engine.warm_up((1,))
             llm.engine.warm_up((2,), adapters=True)
         r = _pair_step_ratio(llm, prompt, name, times=5 if on_gpu else 1)
         launches = ("a launch a fused projection" if one_launch and bgmv._parts_failed is None else
                     f"a launch a part ({bgmv._parts_failed})")  # the multi-part kernel may have failed here
+        launches = "projection and LoRA one launch" if lora_kernel == "fused" else launches
         line = (f"tile {tile:5d}, warps <= {warps}, {launches}: engine step base {r['base_step_s'] * 1e3:.2f} ms, "
                 f"pair {r['icarus_step_s'] * 1e3:.2f} ms, ratio {r['ratio']:.2f}x")
         if step is not None:
