@@ -87,12 +87,17 @@ def test_write_and_attention_equal_the_reference(scenario, n_q, n_kv):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["table-ahead", "table-in-step"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
 @pytest.mark.parametrize("n_q,n_kv", [(6, 2), (4, 1)], ids=["gqa3", "gqa4"])
-def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv):
+def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv, prefetch, monkeypatch):
     """Flash decoding: each program takes a share of the keys and a second kernel merges
     them; sequences shorter than a share, ICaRus pairs, a prefill chunk and read-only rows
-    leave some splits without keys for some rows."""
+    leave some splits without keys for some rows. Block-table entries loaded a step ahead of
+    their K/V (the default) or in their step (the kernel the sweeps compare against)."""
+    import kvshare.kernels.triton.attention as attention
+
+    monkeypatch.setattr(attention, "_PREFETCH_TABLE", prefetch)
     gen = torch.Generator().manual_seed(splits * 10 + n_q)
     block_size, n_blocks, d = 4, 100, 8
     sequences = [(130, [130]), (20, [20]), (70, [70, 70]), (90, list(range(90, 96))), (40, [12])]

@@ -30,6 +30,7 @@ from ._common import dot_precision, inner_contiguous, require_gpu_tensor
 
 _TILE_LINES = 64  # query lines (rows x heads of a group) per program; >= 16 for tl.dot
 _BLOCK_N = 32  # keys per step of the loop over a sequence's context
+_PREFETCH_TABLE = True  # load a step's blocks one step ahead (False: the kernel before session 28, for sweeps)
 
 
 @triton.jit
@@ -41,6 +42,7 @@ def _paged_attention_kernel(
     stride_table, block_size, scale, num_splits, min_split_keys,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     row_block = tl.program_id(1)
@@ -71,11 +73,19 @@ def _paged_attention_kernel(
         total = tl.zeros([ROWS * HEADS_PAD], tl.float32)
         acc = tl.zeros([ROWS * HEADS_PAD, DIM_PAD], tl.float32)
         keys = tl.arange(0, BLOCK_N)
+        table = tables_ptr + seq * stride_table
+        # each step's blocks are loaded one step ahead, so that a step waits for one load (its
+        # K and V) instead of two in a row (the table, then K/V through it): at a few programs
+        # a step is latency, not bandwidth (session 27: batch 1 was 2.6-2.9x SDPA)
+        block = tl.load(table + (lo + keys) // block_size, mask=lo + keys < end, other=0).to(tl.int64)
         for start in range(lo, end, BLOCK_N):
             key = start + keys
             key_ok = key < end
-            block = tl.load(tables_ptr + seq * stride_table + key // block_size, mask=key_ok, other=0)
-            block = block.to(tl.int64)  # block * stride may pass 2**31 in a large cache
+            ahead = key + BLOCK_N if PREFETCH else key
+            # int64: block * stride may pass 2**31 in a large cache
+            block_ahead = tl.load(table + ahead // block_size, mask=ahead < end, other=0).to(tl.int64)
+            if not PREFETCH:  # the step's own blocks, loaded now (the kernel before session 28)
+                block = block_ahead
             offset = key % block_size
             kv_ok = key_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko
@@ -90,6 +100,7 @@ def _paged_attention_kernel(
             acc = acc * keep[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             total = total * keep + tl.sum(probs, axis=1)
             best = new_best
+            block = block_ahead
         if SPLIT:  # partials of (row, head, split), merged by _merge_splits_kernel
             n_q = GROUP * (tl.num_programs(2) // num_splits)  # query heads: GROUP per KV head
             part = (rows * n_q + heads) * num_splits + split
@@ -234,6 +245,7 @@ def launch_paged_attention(out: torch.Tensor, partials: tuple[torch.Tensor, ...]
         block_tables.stride(0), block_size, scale, splits, launch.min_split_keys,
         GROUP=group, HEADS_PAD=triton.next_power_of_2(group), ROWS=launch.tile_rows, SPLIT=splits > 1,
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_N=_BLOCK_N, PRECISION=dot_precision(q.dtype),
+        PREFETCH=_PREFETCH_TABLE,
     )
     if splits > 1:
         _merge_splits_kernel[(rows, n_q)](part_acc, part_best, part_total, out, out.stride(0), out.stride(1),
