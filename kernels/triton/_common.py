@@ -17,8 +17,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+compiling_only = False  # set by :mod:`.offline_compile`: CPU tensors only give a launch's types, no launch
+
+
 def require_gpu_tensor(t: torch.Tensor, interpreted: bool) -> None:
     """Compiled kernels read GPU memory only; say so instead of faulting (e.g. --device cpu
     with --kernels triton on a machine with a GPU). The interpreter takes any tensor."""
-    if not interpreted and t.device.type != "cuda":
+    if not interpreted and not compiling_only and t.device.type != "cuda":
         raise KvshareError(f"the triton kernels need tensors on a GPU (--device cuda), not on {t.device}")

@@ -81,11 +81,12 @@ def _paged_attention_kernel(
         for start in range(lo, end, BLOCK_N):
             key = start + keys
             key_ok = key < end
-            ahead = key + BLOCK_N if PREFETCH else key
-            # int64: block * stride may pass 2**31 in a large cache
-            block_ahead = tl.load(table + ahead // block_size, mask=ahead < end, other=0).to(tl.int64)
-            if not PREFETCH:  # the step's own blocks, loaded now (the kernel before session 28)
-                block = block_ahead
+            if PREFETCH:  # int64: block * stride may pass 2**31 in a large cache
+                ahead = key + BLOCK_N
+                block_ahead = tl.load(table + ahead // block_size, mask=ahead < end, other=0).to(tl.int64)
+            else:  # the step's own blocks, loaded now (the kernel before session 28)
+                block = tl.load(table + key // block_size, mask=key_ok, other=0).to(tl.int64)
+                block_ahead = block
             offset = key % block_size
             kv_ok = key_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko

@@ -167,5 +167,6 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, LORA=lora, ROWS_PAD=max(16, triton.next_power_of_2(rows)),
         LORA_ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
         BLOCK_R=max(2, triton.next_power_of_2(max(rank, 1))), PRECISION=dot_precision(x.dtype),
+        num_warps=4 if rows <= 4 else 8,  # more rows: a larger (rows, rank, features) shrink tile
     )
     return y

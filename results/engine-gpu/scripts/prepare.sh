@@ -14,3 +14,5 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
   cp "$model/$f" .gpu/smollm2-config/
 done
 du -sh .whl .gpu
+# the kernels compile for the H100/H200 (sm_90) before any GPU time is spent on them
+env -u TRITON_INTERPRET python3 -m kvshare.kernels.triton.offline_compile --arch 90 --dtype bfloat16 float32 > /dev/null
