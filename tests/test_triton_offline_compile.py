@@ -24,16 +24,28 @@ def _compiler_env(cache) -> dict[str, str]:
     return env
 
 
-def test_every_kernel_compiles_for_sm90_in_the_engines_dtypes(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "kvshare.kernels.triton.offline_compile", "--arch", "90"],
+def _compile(tmp_path, *args: str) -> list[list[str]]:
+    done = subprocess.run([sys.executable, "-m", "kvshare.kernels.triton.offline_compile", *args],
                           env=_compiler_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    builds = [line.split(" | ") for line in done.stdout.splitlines()]
+    return [line.split(" | ") for line in done.stdout.splitlines()]
+
+
+def test_every_kernel_compiles_for_sm90_in_the_engines_dtypes(tmp_path):
+    builds = _compile(tmp_path, "--arch", "90")
     assert {b[2] for b in builds} == KERNELS
     assert {b[1].rsplit(" ", 1)[1] for b in builds} == {"(bfloat16)", "(float32)"}
     assert all(b[0] == "sm_90" and "registers None" not in b[3] for b in builds)  # cuobjdump read every cubin
     fused = [b for b in builds if b[2] == "_linear_lora_kernel" and "LORA=True" in b[4]]
     assert fused and all("PRECISION=ieee" in b[4] for b in fused if "float32" in b[1])
+
+
+def test_the_kernels_compile_for_a_large_models_shapes(tmp_path):
+    """Llama-8B's: head_dim 128, four query heads a KV head, 4096 features (where the BGMV
+    kernels shrink and expand in two launches)."""
+    builds = _compile(tmp_path, "--shape", "llama-8b", "--dtype", "bfloat16")
+    assert KERNELS - {"_fused_kernel", "_parts_kernel"} <= {b[2] for b in builds}
+    assert any("HEAD_DIM=128" in b[4] for b in builds if b[2] == "_paged_attention_kernel")
 
 
 def test_a_kernel_the_compiler_rejects_fails_the_check(tmp_path):

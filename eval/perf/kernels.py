@@ -35,23 +35,10 @@ from ...errors import KvshareError
 from ...kernels import Kernels, build_attention_metadata
 from ...kernels.lora import lora_groups
 from ...kernels.registry import backends
+from ...kernels.shapes import SHAPES, Shape
 from .common import write_report as _write
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The attention and projection sizes of one model."""
-
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-
-
-SHAPES = {
-    "smollm2-135m": Shape(q_heads=9, kv_heads=3, head_dim=64, hidden=576),
-    "llama-8b": Shape(q_heads=32, kv_heads=8, head_dim=128, hidden=4096),
-}
 BLOCK_SIZE = 16
 LORA_RANK = 16
 

@@ -12,7 +12,7 @@ for the architecture asked (default sm_90, the H100/H200 we are lent). Registers
 memory come from the ``cuobjdump`` Triton ships. What this cannot tell: speed, and whether
 the driver of a given GPU loads the cubin.
 
-    python -m kvshare.kernels.triton.offline_compile [--arch 90] [--dtype bfloat16 float32]
+    python -m kvshare.kernels.triton.offline_compile [--arch 90] [--dtype bfloat16 float32] [--shape llama-8b]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from ..shapes import SHAPES, Shape
 
 
 @dataclass
@@ -108,11 +110,11 @@ def compile_only(arch: int) -> Iterator[list[tuple[str, object]]]:
         driver._active = before
 
 
-def _attention_cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+def _attention_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     from ..metadata import build_attention_metadata
     from .attention import paged_attention, write_kv
 
-    n_q, n_kv, d, block = 9, 3, 64, 16  # SmolLM2-135M's heads
+    n_q, n_kv, d, block = shape.q_heads, shape.kv_heads, shape.head_dim, 16
     blocks = torch.arange(64).tolist()
 
     def batch(rows_per_seq: list[list[int]]):
@@ -145,13 +147,14 @@ def _attention_cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
             "attention, a prefill chunk": prefill_chunk, "KV write": kv_write}
 
 
-def _lora_cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+def _lora_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     from ..lora import lora_groups
     from . import bgmv
     from .linear_lora import fits, linear_lora
     from .lora import gathered_lora
 
-    hidden, inter, kv, rank, slots = 576, 1536, 192, 16, 8  # SmolLM2-135M, rank-16 adapters
+    hidden, inter, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
+    rank, slots = 16, 8
 
     def stacks(width: int, features: int = hidden):
         return torch.zeros(slots, rank, features, dtype=dtype), torch.zeros(slots, rank, width, dtype=dtype)
@@ -200,12 +203,12 @@ def _lora_cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
             "segment LoRA (shrink, expand)": segments}
 
 
-def _residual_case(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+def _residual_case(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     from ..metadata import build_attention_metadata
     from ..residual_attention import build_residual_metadata
     from .residual_attention import residual_attention
 
-    n_q, n_kv, d, rank = 9, 3, 64, 16
+    n_q, n_kv, d, rank = shape.q_heads, shape.kv_heads, shape.head_dim, 16
 
     def run():
         meta = build_attention_metadata([0, 1, 1], [40, 7, 7], [-1, -1, -1], [[0, 1, 2], [3]], 16)
@@ -221,13 +224,14 @@ def _residual_case(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
 
 
 def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bfloat16", "float32"),
-                progress: Callable[[str], None] | None = None) -> list[Build]:
-    """Every case's kernels built for ``sm_<arch>`` in each dtype; raises on the first failure,
-    naming the case."""
+                shape: str = "smollm2-135m", progress: Callable[[str], None] | None = None) -> list[Build]:
+    """Every case's kernels built for ``sm_<arch>`` in each dtype, for one model's shapes
+    (:data:`kvshare.kernels.shapes.SHAPES`); raises on the first failure, naming the case."""
     builds: list[Build] = []
+    sizes = SHAPES[shape]
     for name in dtypes:
         dtype = getattr(torch, name)
-        cases = {**_attention_cases(dtype), **_lora_cases(dtype), **_residual_case(dtype)}
+        cases = {**_attention_cases(sizes, dtype), **_lora_cases(sizes, dtype), **_residual_case(sizes, dtype)}
         for case, run in cases.items():
             if progress:
                 progress(f"{case} ({name})")
@@ -263,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200, 80: A100)")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="whose sizes the cases take")
     args = parser.parse_args(argv)
     try:
-        builds = compile_all(args.arch, tuple(args.dtype),
+        builds = compile_all(args.arch, tuple(args.dtype), args.shape,
                              progress=lambda case: print(f"compiling: {case}", file=sys.stderr, flush=True))
     except RuntimeError as err:
         print(f"kvshare: error: {err}", file=sys.stderr)
