@@ -30,7 +30,10 @@ from ._common import dot_precision, inner_contiguous, require_gpu_tensor
 
 _TILE_LINES = 64  # query lines (rows x heads of a group) per program; >= 16 for tl.dot
 _BLOCK_N = 32  # keys per step of the loop over a sequence's context
-_PREFETCH_TABLE = True  # load a step's blocks one step ahead (False: the kernel before session 28, for sweeps)
+# load a step's block-table entries one step ahead (session 28, untimed): Triton's pipeliner
+# already overlaps the table -> K/V chain with async copies over 3 stages (seen in the sm_90
+# build, offline_compile), so this stays off until a GPU sweep (attention_sweep.py) says it helps
+_PREFETCH_TABLE = False
 
 
 @triton.jit
@@ -74,9 +77,8 @@ def _paged_attention_kernel(
         acc = tl.zeros([ROWS * HEADS_PAD, DIM_PAD], tl.float32)
         keys = tl.arange(0, BLOCK_N)
         table = tables_ptr + seq * stride_table
-        # each step's blocks are loaded one step ahead, so that a step waits for one load (its
-        # K and V) instead of two in a row (the table, then K/V through it): at a few programs
-        # a step is latency, not bandwidth (session 27: batch 1 was 2.6-2.9x SDPA)
+        # PREFETCH: each step's blocks are loaded one step ahead, so that a step waits for one
+        # load (its K and V) instead of two in a row (the table, then K/V through it)
         block = tl.load(table + (lo + keys) // block_size, mask=lo + keys < end, other=0).to(tl.int64)
         for start in range(lo, end, BLOCK_N):
             key = start + keys
@@ -84,7 +86,7 @@ def _paged_attention_kernel(
             if PREFETCH:  # int64: block * stride may pass 2**31 in a large cache
                 ahead = key + BLOCK_N
                 block_ahead = tl.load(table + ahead // block_size, mask=ahead < end, other=0).to(tl.int64)
-            else:  # the step's own blocks, loaded now (the kernel before session 28)
+            else:  # the step's own blocks, loaded now (the default)
                 block = tl.load(table + key // block_size, mask=key_ok, other=0).to(tl.int64)
                 block_ahead = block
             offset = key % block_size

@@ -130,6 +130,16 @@ def _attention_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[],
         q, cache, meta = batch([[1000]])
         paged_attention(q, cache[0], cache[1], meta, d ** -0.5, splits=4)
 
+    def decode_table_ahead():  # the variant the GPU sweep times (attention_sweep.py)
+        from . import attention
+
+        q, cache, meta = batch([[1000]])
+        before, attention._PREFETCH_TABLE = attention._PREFETCH_TABLE, True
+        try:
+            paged_attention(q, cache[0], cache[1], meta, d ** -0.5, splits=16)
+        finally:
+            attention._PREFETCH_TABLE = before
+
     def icarus_pairs():  # two rows a sequence
         q, cache, meta = batch([[300, 300], [20, 20], [5, 5]])
         paged_attention(q, cache[0], cache[1], meta, d ** -0.5)
@@ -143,7 +153,9 @@ def _attention_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[],
         k = torch.zeros(4, n_kv, d, dtype=dtype)
         write_kv(cache[0], cache[1], k, k.clone(), torch.tensor([3, -1, 40, 17]))
 
-    return {"attention, batch-1 decode split over the keys": decode_split, "attention, ICaRus pairs": icarus_pairs,
+    return {"attention, batch-1 decode split over the keys": decode_split,
+            "attention, batch-1 decode, block table a step ahead": decode_table_ahead,
+            "attention, ICaRus pairs": icarus_pairs,
             "attention, a prefill chunk": prefill_chunk, "KV write": kv_write}
 
 

@@ -3,8 +3,8 @@ was 2.6-2.9x SDPA's GPU time on the H200 (`h200-graphs/kernels-bgmv`: 0.0148 aga
 SmolLM2's shapes, 1k keys), where the issue asks for 1.5x: a few programs each walk 256 keys or
 more in steps of 32, one dependent load after another. For each (keys per step, fewest keys a
 split takes, block-table entries loaded a step ahead: session 28) this runs `bench kernels`' attention rows (each checked against SDPA first) and
-prints the Triton kernel's replayed GPU time against SDPA's. The first variant is session 27's
-kernel, the second the default since session 28.
+prints the Triton kernel's replayed GPU time against SDPA's. The first variant is the default
+kernel (session 27's); the others load block-table entries a step ahead (session 28).
 
     python3 attention_sweep.py
 """
