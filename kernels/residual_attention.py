@@ -208,23 +208,25 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     ``V_base + scale R_v B_v``: two (keys, r) x (r, kv_heads * d) matmuls per adapter, cheaper than the
     attention itself, after which SDPA runs on plain shapes (its fused causal path). The
     kernel's ``(P R_v) B_v`` order saves memory traffic on a GPU; on CPU rebuilding V is
-    the faster of the two (``P (R_v B_v)`` is the same sum). Computes in q's dtype, as
-    :func:`~kvshare.kernels.attention.paged_attention_ref` does.
+    the faster of the two (``P (R_v B_v)`` is the same sum). The rebuilt K and V are computed
+    in float32 and rounded once to q's dtype, in which SDPA runs (as
+    :func:`~kvshare.kernels.attention.paged_attention_ref` does): in bfloat16, rounding the
+    delta, its scale and each RoPE term apart would add errors the Triton kernel (float32
+    inside) does not make.
     """
     n_q, d = q.shape[1], q.shape[2]
     n_kv = k_base_cache.shape[2]
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
+    wide = torch.promote_types(q.dtype, torch.float32)
     # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
-    keys_all = gather_slots(k_base_cache, meta.key_slots).to(q.dtype)
-    values_all = gather_slots(v_base_cache, meta.key_slots).to(q.dtype)
-    r_k_all = gather_slots(k_res_cache, residual.key_slots).to(q.dtype)
-    r_v_all = gather_slots(v_res_cache, residual.key_slots).to(q.dtype)
-    k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=q.dtype, device=q.device)
+    r_k_all = gather_slots(k_res_cache, residual.key_slots).to(wide)
+    r_v_all = gather_slots(v_res_cache, residual.key_slots).to(wide)
+    k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=wide, device=q.device)
     v_delta = torch.empty_like(k_delta)
     scales = lora_scales.tolist()
     for adapter, keys in residual.key_groups:
-        b_k_a, b_v_a = b_k[adapter].to(q.dtype).T * scales[adapter], b_v[adapter].to(q.dtype).T * scales[adapter]
+        b_k_a, b_v_a = b_k[adapter].to(wide).T * scales[adapter], b_v[adapter].to(wide).T * scales[adapter]
         if keys is None:
             torch.matmul(r_k_all, b_k_a, out=k_delta)
             torch.matmul(r_v_all, b_v_a, out=v_delta)
@@ -232,9 +234,10 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
             k_delta.index_copy_(0, keys, r_k_all.index_select(0, keys) @ b_k_a)
             v_delta.index_copy_(0, keys, r_v_all.index_select(0, keys) @ b_v_a)
     positions = residual.key_positions
-    keys_all = keys_all + apply_rope(k_delta.view(-1, n_kv, d), rope_cos.to(q.dtype).index_select(0, positions),
-                                     rope_sin.to(q.dtype).index_select(0, positions))
-    values_all = values_all + v_delta.view(-1, n_kv, d)
+    k_delta = apply_rope(k_delta.view(-1, n_kv, d), rope_cos.to(wide).index_select(0, positions),
+                         rope_sin.to(wide).index_select(0, positions))
+    keys_all = (gather_slots(k_base_cache, meta.key_slots).to(wide) + k_delta).to(q.dtype)
+    values_all = (gather_slots(v_base_cache, meta.key_slots).to(wide) + v_delta.view(-1, n_kv, d)).to(q.dtype)
     out = torch.empty_like(q)
     offset = 0
     for (start, end), length, causal, all_last in zip(meta.seq_bounds, meta.seq_context, meta.seq_causal,
