@@ -15,7 +15,9 @@ once (:class:`~kvshare.kernels.triton.attention.AttentionLaunch`, fixed per grap
 from the slot stacks (:mod:`.lora_slots`), rewritten in place, so loading one needs no new graph
 unless the stacks grow; each row's delta is added by the BGMV kernels
 (:mod:`kvshare.kernels.triton.bgmv`: for a small model one launch a fused projection, whatever
-its adapted parts, where the gather form the CPU graph uses would record eight to ten a part).
+its adapted parts, where the gather form the CPU graph uses would record eight to ten a part),
+or with ``KVSHARE_GRAPH_LORA=fused`` computed with the projection in its launch
+(:mod:`kvshare.kernels.triton.linear_lora`).
 The head runs after the replay, on the logit rows only.
 
 A graph is recorded on first use of its (bucket, with adapters or not, rows per sequence)
@@ -221,7 +223,9 @@ class GraphedStep(BucketedStep):
                         parts.append((first, a[i], b_t[i]))
                     first += width
                 if parts and self.lora_kernel == "fused" and fits(x, weight, parts):
-                    return linear_lora(x, weight, bias, parts, index, scale)  # one launch in all
+                    y = linear_lora(x, weight, bias, parts, index, scale)  # one launch in all
+                    if y is not None:  # None: the GPU's compiler rejected it (logged), as below
+                        return y
                 y = linear(x, weight, bias)
                 bgmv_lora_add_parts(y, x, parts, index, scale)  # one launch for the fused projection
                 return y

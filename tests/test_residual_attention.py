@@ -207,7 +207,7 @@ def test_the_engines_torch_path_rounds_rebuilt_kv_once_in_bfloat16():
         assert got.dtype == torch.bfloat16
         exact = residual_attention_ref(**{name: t.float() for name, t in low.items()}, meta=meta,
                                        residual=residual, scale=0.4)
-        assert (got.float() - exact).abs().mean() < 0.0045
+        assert (got.float() - exact).abs().mean() < 0.005  # between the two, with room for another CPU's SDPA
 
 
 def test_registered_for_every_engine_and_checked_inputs():

@@ -93,8 +93,8 @@ def test_write_and_attention_equal_the_reference(scenario, n_q, n_kv):
 def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv, prefetch, monkeypatch):
     """Flash decoding: each program takes a share of the keys and a second kernel merges
     them; sequences shorter than a share, ICaRus pairs, a prefill chunk and read-only rows
-    leave some splits without keys for some rows. Block-table entries loaded a step ahead of
-    their K/V (the default) or in their step (the kernel the sweeps compare against)."""
+    leave some splits without keys for some rows. Block-table entries loaded in their step (the
+    default) or a step ahead of their K/V (the variant the GPU sweep times)."""
     import kvshare.kernels.triton.attention as attention
 
     monkeypatch.setattr(attention, "_PREFETCH_TABLE", prefetch)
@@ -326,12 +326,13 @@ def test_bgmv_parts_of_a_fused_projection_are_one_launch_equal_to_each_part_alon
     (5, ((0, 32), (48, 32)), False),  # gate/up: both parts, a gap between them
     (16, ((16, 16), (32, 32), (64, 16)), True),  # three parts, a full tile of rows
     (1, (), True),  # no adapted part: a plain projection
+    (1, ((16, 48),), False),  # one row: a single LoRA agent's step
     (3, ((0, 80),), False),  # a part wider than a tile, output columns past a tile's edge
 ])
 def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths, bias):
     """The fused decode projection: ``x W^T + b`` and each row's LoRA delta from its own slot
-    (rows of scale 0, slot ignored, get the projection alone), equal to ``F.linear`` plus
-    :func:`lora_delta` of each adapted part, in one launch."""
+    (rows of scale 0 get the projection alone, their slot never read: -1 here), equal to
+    ``F.linear`` plus :func:`lora_delta` of each adapted part, in one launch."""
     import torch.nn.functional as F
 
     from kvshare.kernels.triton.launch_count import count_launches
@@ -343,8 +344,11 @@ def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths
     x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
     weight = torch.randn(d_out, d_in, generator=gen).to(DEVICE)
     b = torch.randn(d_out, generator=gen).to(DEVICE) if bias else None
-    index = torch.randint(0, slots, (rows,), generator=gen).to(DEVICE)
     scale = torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0] * 4, device=DEVICE)[:rows]
+    if rows == 1:
+        scale = torch.tensor([1.5], device=DEVICE)
+    index = torch.randint(0, slots, (rows,), generator=gen).to(DEVICE)
+    index[scale == 0] = -1  # no slot: read, it would fault on a GPU or take the last one here
     want, parts = F.linear(x, weight, b), []
     for first, width in adapted_widths:
         a = torch.randn(slots, rank, d_in, generator=gen).to(DEVICE)
@@ -360,18 +364,43 @@ def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths
 
 
 def test_linear_lora_declines_what_it_cannot_take():
-    """Too many rows, a weight of another dtype or layout, parts whose edges a tile cannot follow
-    or that differ in rank: the caller keeps cuBLAS and the BGMV kernel."""
+    """Too many rows, a weight of another dtype or kind, features that do not match, parts whose
+    edges a tile cannot follow, that differ in rank, or of a rank too large beside a tile: the
+    caller keeps cuBLAS and the BGMV kernel."""
     from kvshare.kernels.triton.linear_lora import MAX_ROWS, fits
 
     x, w = torch.randn(2, 32), torch.randn(64, 32)
     a, b_t = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
-    assert fits(x, w, [(0, a, b_t)])
+    assert fits(x, w, [(0, a, b_t)]) and fits(x, w, [])
     assert not fits(torch.randn(MAX_ROWS + 1, 32), w, [(0, a, b_t)])
     assert not fits(x, w.double(), [(0, a, b_t)])
     assert not fits(x, object(), [(0, a, b_t)])  # a packed or quantised weight
+    assert not fits(torch.randn(2, 16), w, [])  # features that are not the weight's
     assert not fits(x, w, [(8, a, b_t[..., :24])])  # edges at 8 and 32 columns: no 16-column tile follows
+    assert not fits(x, w, [(48, a, b_t)])  # past the projection's columns
     assert not fits(x, w, [(0, a, b_t), (32, a[:, :2], b_t[:, :2])])  # ranks differ
+    assert not fits(x, w, [(0, torch.randn(2, 64, 32), torch.randn(2, 64, 32))])  # rank 64: a tile reads A more than W
+
+
+def test_a_linear_lora_kernel_that_cannot_compile_leaves_projections_to_cublas_and_bgmv(monkeypatch, caplog):
+    """On a GPU whose compiler rejects the kernel, it is tried once (logged), returns None so the
+    graph step takes the projection and its LoRA apart, and is never offered again."""
+    from kvshare.kernels.triton import linear_lora as ll
+
+    def rejected(*args):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(ll, "_launch", rejected)
+    monkeypatch.setattr(ll, "INTERPRETED", False)  # compiled mode, as on a GPU
+    monkeypatch.setattr(ll, "require_gpu_tensor", lambda t, interpreted: None)
+    monkeypatch.setattr(ll, "_failed", None)
+    x, w = torch.randn(2, 32), torch.randn(64, 32)
+    parts = [(0, torch.randn(2, 4, 32), torch.randn(2, 4, 32))]
+    assert ll.fits(x, w, parts)
+    with caplog.at_level("WARNING"):
+        assert ll.linear_lora(x, w, None, parts, torch.zeros(2, dtype=torch.long), torch.ones(2)) is None
+    assert ll._failed == "RuntimeError: PassManager::run failed" and not ll.fits(x, w, parts)
+    assert caplog.text.count("projections and their LoRA launch apart") == 1
 
 
 def test_a_multi_part_kernel_that_cannot_compile_falls_back_to_one_launch_a_part(monkeypatch, caplog):

@@ -79,7 +79,8 @@ def _paged_attention_kernel(
         table = tables_ptr + seq * stride_table
         # PREFETCH: each step's blocks are loaded one step ahead, so that a step waits for one
         # load (its K and V) instead of two in a row (the table, then K/V through it)
-        block = tl.load(table + (lo + keys) // block_size, mask=lo + keys < end, other=0).to(tl.int64)
+        if PREFETCH:
+            block = tl.load(table + (lo + keys) // block_size, mask=lo + keys < end, other=0).to(tl.int64)
         for start in range(lo, end, BLOCK_N):
             key = start + keys
             key_ok = key < end
@@ -88,7 +89,6 @@ def _paged_attention_kernel(
                 block_ahead = tl.load(table + ahead // block_size, mask=ahead < end, other=0).to(tl.int64)
             else:  # the step's own blocks, loaded now (the default)
                 block = tl.load(table + key // block_size, mask=key_ok, other=0).to(tl.int64)
-                block_ahead = block
             offset = key % block_size
             kv_ok = key_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko
@@ -103,7 +103,8 @@ def _paged_attention_kernel(
             acc = acc * keep[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
             total = total * keep + tl.sum(probs, axis=1)
             best = new_best
-            block = block_ahead
+            if PREFETCH:
+                block = block_ahead
         if SPLIT:  # partials of (row, head, split), merged by _merge_splits_kernel
             n_q = GROUP * (tl.num_programs(2) // num_splits)  # query heads: GROUP per KV head
             part = (rows * n_q + heads) * num_splits + split

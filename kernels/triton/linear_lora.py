@@ -19,10 +19,13 @@ The plain-torch reference is ``F.linear`` plus :func:`kvshare.serve.lora_slots.l
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import dot_precision, inner_contiguous, require_gpu_tensor
 from .attention import INTERPRETED
 from .bgmv import _element_offset
@@ -30,6 +33,12 @@ from .bgmv import _element_offset
 MAX_ROWS = 16  # a decode step's rows this kernel takes (one tl.dot tile); more: cuBLAS + BGMV
 _BLOCK_K = 64  # input features a loop step reads
 _BLOCK_N = 64  # most output columns a program writes (fewer where a part's width asks)
+# every column tile reads its rows' A again (rank x features): at most half what it reads of
+# W (BLOCK_N x features), and the (rows, rank, features) shrink tile stays in registers
+_MAX_RANK_PER_COLUMN = 0.5
+_failed: str | None = None  # why the kernel could not launch on this GPU, once it could not
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -112,37 +121,45 @@ def _block_n(out_features: int, edges: list[int]) -> int | None:
 
 def fits(x: torch.Tensor, weight, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> bool:
     """Whether :func:`linear_lora` takes this projection: a plain weight of ``x``'s dtype (not
-    a quantised or packed one), at most :data:`MAX_ROWS` rows, at most three adapted parts of
-    one rank and layout whose edges a tile can follow."""
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != x.dtype
-            or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or len(parts) > 3):
+    a quantised or packed one) and features, at most :data:`MAX_ROWS` rows, at most three
+    adapted parts of one rank (small beside a tile's columns) and layout whose edges a tile can
+    follow; never once the kernel failed to launch on this GPU."""
+    if (_failed is not None or not isinstance(weight, torch.Tensor) or weight.dim() != 2
+            or weight.dtype != x.dtype or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS
+            or x.shape[1] != weight.shape[1] or len(parts) > 3):
         return False
     if not parts:
         return True
     a0, b0 = parts[0][1], parts[0][2]
     if a0.shape[-2] == 0 or any(a.shape[-2:] != a0.shape[-2:] or a.stride() != a0.stride() or a.dtype != a0.dtype
                                 or b.shape[-2] != a0.shape[-2] or b.dtype != b0.dtype or a.stride(-1) != 1
-                                or b.stride(-1) != 1 for _, a, b in parts):
+                                or b.stride(-1) != 1 or first + b.shape[-1] > weight.shape[0]
+                                for first, a, b in parts) or a0.shape[-1] != x.shape[1]:
         return False
     if None in [_element_offset(a, a0) for _, a, _ in parts] + [_element_offset(b, b0) for _, _, b in parts]:
         return False
-    return _block_n(weight.shape[0], [e for first, _, b in parts for e in (first, b.shape[-1])]) is not None
+    block_n = _block_n(weight.shape[0], [e for first, _, b in parts for e in (first, b.shape[-1])])
+    return block_n is not None and triton.next_power_of_2(a0.shape[-2]) <= _MAX_RANK_PER_COLUMN * block_n
 
 
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 parts: list[tuple[int, torch.Tensor, torch.Tensor]], index: torch.Tensor,
-                scale: torch.Tensor) -> torch.Tensor:
+                scale: torch.Tensor) -> torch.Tensor | None:
     """``x W^T + b`` plus each row's LoRA delta, one launch (the caller checked :func:`fits`).
 
     ``parts`` are the adapted parts of the fused output, ``(first column, a, b_t)`` with ``a``
     (slots, rank, in) and ``b_t`` (slots, rank, width) as the slot stacks hold them, in column
     order; ``index`` (rows,) long and ``scale`` (rows,) float32 as for :func:`.bgmv.bgmv_lora_add`.
     No parts: a plain projection. Reads nothing on the host, so a CUDA graph can record it.
+    None if the GPU's compiler rejects the kernel (logged once, never tried again): the caller
+    takes its projection and LoRA apart, instead of failing the graph and the engine's speed.
     """
+    global _failed
     require_gpu_tensor(x, INTERPRETED)
     rows, in_features = x.shape
     out_features = weight.shape[0]
     x, weight = inner_contiguous(x), inner_contiguous(weight)
+    bias = inner_contiguous(bias) if bias is not None else None
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     edges = [e for first, _, b in parts for e in (first, b.shape[-1])]
     block_n = _block_n(out_features, edges) if parts else _BLOCK_N
@@ -158,6 +175,22 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bs = [b.stride(0) for _, _, b in parts] + [0] * pad
     br = [b.stride(1) for _, _, b in parts] + [0] * pad
     rank = a0.shape[-2] if lora else 0
+    try:
+        _launch(x, weight, bias, y, a0, b0, index, scale, firsts, widths, a_offs, b_offs, bs, br, rank, block_n)
+    except Exception as err:  # noqa: BLE001 - a compiler we never ran it on
+        if INTERPRETED or _common.compiling_only:
+            raise
+        _failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        log.warning("kvshare: the projection + LoRA kernel failed to launch (%s); projections and their LoRA "
+                    "launch apart", _failed)
+        return None
+    return y
+
+
+def _launch(x, weight, bias, y, a0, b0, index, scale, firsts, widths, a_offs, b_offs, bs, br, rank, block_n):
+    """The kernel over every column tile (apart, so that :func:`linear_lora` catches a rejection)."""
+    rows, in_features = x.shape
+    out_features, lora = weight.shape[0], rank > 0
     _linear_lora_kernel[(triton.cdiv(out_features, block_n),)](
         x, weight, bias if bias is not None else x, y, a0, b0, index, scale,
         firsts[0], firsts[1], firsts[2], widths[0], widths[1], widths[2], a_offs[1], a_offs[2], b_offs[1], b_offs[2],
@@ -169,4 +202,3 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         BLOCK_R=max(2, triton.next_power_of_2(max(rank, 1))), PRECISION=dot_precision(x.dtype),
         num_warps=4 if rows <= 4 else 8,  # more rows: a larger (rows, rank, features) shrink tile
     )
-    return y

@@ -85,29 +85,34 @@ def compile_only(arch: int) -> Iterator[list[tuple[str, object]]]:
     from triton.runtime import driver
     from triton.runtime.jit import KernelInterface
 
-    from . import _common
+    from . import _common, bgmv, linear_lora
     from .attention import INTERPRETED
 
     if INTERPRETED:
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter compiles nothing")
     built: list[tuple[str, object]] = []
+    touched = []  # kernels whose per-device caches now hold this target's builds
     original = KernelInterface.__getitem__
 
     def compiling(kernel, grid):
         def build(*args, **kwargs):
+            touched.append(kernel)
             built.append((kernel.fn.__name__, kernel.run(*args, grid=grid, warmup=True, **kwargs)))
         return build
 
-    before = driver._active  # None here without a GPU; reset_active() would look for one
+    before = (driver._active, _common.compiling_only, bgmv._parts_failed, linear_lora._failed)
+    # None here without a GPU (reset_active() would look for one); no fallback remembered from
+    # an earlier launch hides a kernel from the compiler
     driver.set_active(_OfflineDriver(GPUTarget("cuda", arch, 32)))
     KernelInterface.__getitem__ = compiling
-    _common.compiling_only = True
+    _common.compiling_only, bgmv._parts_failed, linear_lora._failed = True, None, None
     try:
         yield built
     finally:
-        _common.compiling_only = False
+        driver._active, _common.compiling_only, bgmv._parts_failed, linear_lora._failed = before
         KernelInterface.__getitem__ = original
-        driver._active = before
+        for kernel in touched:  # a later launch on a real GPU builds for that GPU, not for this target
+            kernel.device_caches.clear()
 
 
 def _attention_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
@@ -168,8 +173,8 @@ def _lora_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None
     hidden, inter, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
     rank, slots = 16, 8
 
-    def stacks(width: int, features: int = hidden):
-        return torch.zeros(slots, rank, features, dtype=dtype), torch.zeros(slots, rank, width, dtype=dtype)
+    def stacks(width: int, features: int = hidden, r: int = rank):
+        return torch.zeros(slots, r, features, dtype=dtype), torch.zeros(slots, r, width, dtype=dtype)
 
     def rows(n: int):
         return torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.float32)
@@ -187,14 +192,14 @@ def _lora_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None
         x, y = torch.zeros(2, hidden, dtype=dtype), torch.zeros(2, 2 * inter, dtype=dtype)
         bgmv.bgmv_lora_add_parts(y, x, [(0, *stacks(inter)), (inter, *stacks(inter))], *rows(2))
 
-    def projection(n: int, parts_widths: list[tuple[int, int]], bias: bool, features: int = hidden):
+    def projection(n: int, parts_widths: list[tuple[int, int]], bias: bool, features: int = hidden, r: int = rank):
         def run():
             out = sum(w for w, _ in parts_widths)
             x, weight = torch.zeros(n, features, dtype=dtype), torch.zeros(out, features, dtype=dtype)
             parts, first = [], 0
             for width, adapted in parts_widths:
                 if adapted:
-                    parts.append((first, *stacks(width, features)))
+                    parts.append((first, *stacks(width, features, r)))
                 first += width
             if not fits(x, weight, parts):
                 raise RuntimeError("linear_lora does not take this projection")
@@ -211,6 +216,10 @@ def _lora_cases(shape: Shape, dtype: torch.dtype) -> dict[str, Callable[[], None
                                                                        True),
             "projection + LoRA, 16 rows of gate/up": projection(16, [(inter, True), (inter, True)], False),
             "projection + LoRA, 3 rows of down": projection(3, [(hidden, True)], False, inter),
+            "projection + LoRA, 1 row of o": projection(1, [(hidden, True)], False),
+            "projection + LoRA, 16 rows of o at rank 32 (the most it takes)": projection(
+                16, [(hidden, True)], False, r=32),
+            "projection + LoRA, q/k/v all adapted": projection(4, [(hidden, True), (kv, True), (kv, True)], True),
             "projection alone, 1 row": projection(1, [(hidden, False)], False),
             "segment LoRA (shrink, expand)": segments}
 
