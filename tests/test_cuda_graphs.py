@@ -152,23 +152,30 @@ def test_a_graph_that_cannot_be_recorded_leaves_the_engine_eager(engines, tokeni
     assert len(attempts) == 1
 
 
+def _base_and_pair_launches(step: GraphedStep, runner, size: int):
+    """The kernels a graph of ``size`` rows records for a base step and for ICaRus pairs, and
+    the fused projections some adapter adapts."""
+    from kvshare.kernels.triton.launch_count import count_launches
+
+    counts = []
+    for adapted, rows in ((False, 1), (True, 2)):
+        with torch.no_grad(), count_launches() as launched:
+            step._decode(runner.kv_cache, size, adapted, rows)
+        counts.append(launched)
+    fused = {name for name, parts in runner.model.fused.items() if any(p in step.lora.parts for p, _ in parts)}
+    return counts, fused
+
+
 def test_a_graphed_pair_step_adds_one_kernel_per_adapted_fused_projection(engines):
     """What a graph records bounds its GPU time (a few microseconds a kernel): a pair step
     may add one BGMV launch per fused projection with an adapted part (q/k/v, o, gate/up,
     down) and layer to a base step, not one per part (session 25) nor the ten of a gather
     (session 24's graph: 2.39x a SmolLM2 base step's kernels)."""
-    from kvshare.kernels.triton.launch_count import count_launches
-
     graphed, _ = engines
     runner = graphed.engine.runner
     step = GraphedStep(runner.model, graphed.engine.config.block_size, 16, capture=runner.device.type == "cuda")
     step.warm_up(runner.kv_cache, (2,), adapted=True, adapters=graphed.engine._adapters)
-    counts = []
-    for adapted, rows in ((False, 1), (True, 2)):
-        with torch.no_grad(), count_launches() as launched:
-            step._decode(runner.kv_cache, 2, adapted, rows)
-        counts.append(launched)
-    fused = {name for name, parts in runner.model.fused.items() if any(p in step.lora.parts for p, _ in parts)}
+    counts, fused = _base_and_pair_launches(step, runner, 2)
     projections = len(fused) * runner.model.n_layers
     added = sum(counts[1].values()) - sum(counts[0].values())
     bgmv = counts[1]["triton:_fused_kernel"] + counts[1]["triton:_parts_kernel"]
@@ -181,8 +188,6 @@ def test_fused_lora_projections_give_the_eager_tokens_with_a_base_steps_kernel_c
     """``KVSHARE_GRAPH_LORA=fused``: each adapted projection and its rows' deltas are one Triton
     launch, so a pair step records as many kernels as a base step (the LoRA launch gone, the
     projection's own replaced), and ICaRus and LoRA agents still get the eager engine's tokens."""
-    from kvshare.kernels.triton.launch_count import count_launches
-
     monkeypatch.setenv("KVSHARE_GRAPH_LORA", "fused")
     names = ["icarus-a", "lora-a"]
     graphed, eager = (LLM(base, [adapters[n] for n in names], **SETTINGS) for _ in range(2))
@@ -193,12 +198,7 @@ def test_fused_lora_projections_give_the_eager_tokens_with_a_base_steps_kernel_c
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert step.unavailable is None and (4, True, 2) in step.graphs  # a pair and a LoRA row: 3 rows
     runner = graphed.engine.runner
-    counts = []
-    for adapted, rows in ((False, 1), (True, 2)):
-        with torch.no_grad(), count_launches() as launched:
-            step._decode(runner.kv_cache, 4, adapted, rows)
-        counts.append(launched)
-    fused = {name for name, parts in runner.model.fused.items() if any(p in step.lora.parts for p, _ in parts)}
+    counts, fused = _base_and_pair_launches(step, runner, 4)
     assert counts[1]["triton:_linear_lora_kernel"] == len(fused) * runner.model.n_layers > 0
     assert sum(counts[1].values()) == sum(counts[0].values()), (counts[1], counts[0])
 
