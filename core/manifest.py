@@ -125,15 +125,19 @@ def read(path: Path) -> dict:
 EXPORTED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 
-def file_digests(folder: Path) -> dict[str, str]:
+def file_digests(folder: Path, contents: dict[str, dict | bytes] | None = None) -> dict[str, str]:
     """sha256 of the adapter's files in ``folder``: what the manifest's ``files`` records. The
     config is hashed as canonical JSON, so a checkout that rewrites line ends or a re-indent
-    is not a change; its values are."""
-    digests = {}
+    is not a change; its values are. ``contents``: files the caller already read (a JSON
+    file's parsed value, another's bytes), hashed as they are instead of read again."""
+    digests, contents = {}, contents or {}
     for name in EXPORTED_FILES:
         h = hashlib.sha256()
         if name.endswith(".json"):
-            h.update(json.dumps(read_json(Path(folder) / name), sort_keys=True, separators=(",", ":")).encode())
+            value = contents[name] if name in contents else read_json(Path(folder) / name)
+            h.update(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
+        elif name in contents:
+            h.update(contents[name])
         else:
             with open(Path(folder) / name, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -146,10 +150,16 @@ def check_files(data: dict, folder: Path) -> None:
     """A file changed since export (edited, truncated, swapped) is a clear error: its KV and
     outputs would no longer be the manifest's adapter. Manifests from before the ``files``
     field carry no digests and pass."""
+    check_loaded_files(data, folder, {})
+
+
+def check_loaded_files(data: dict, folder: Path, contents: dict[str, dict | bytes]) -> None:
+    """:func:`check_files` over what a loader read (``contents`` as for :func:`file_digests`),
+    so that the files checked are the ones loaded."""
     recorded = data.get("files")
     if not recorded:
         return
-    for name, digest in file_digests(folder).items():
+    for name, digest in file_digests(folder, contents).items():
         if digest != recorded[name]:
             raise KvshareError(f"{Path(folder) / name} changed since it was exported (sha256 {digest[7:19]}..., "
                                f"kvshare.json records {recorded[name][7:19]}...); export the adapter again")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import load_file
 
 from .errors import KvshareError
@@ -47,6 +48,20 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise KvshareError(f"{path}: no such file")
     try:
         return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise KvshareError(f"{path}: not a valid safetensors file ({_one_line(err)})") from None
+
+
+def read_tensor_file(path: Path) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """A safetensors file's bytes and its tensors, parsed from those bytes: one read, so what a
+    caller hashes (an adapter's digest, the manifest's check) is what it loaded, even if the
+    file is replaced meanwhile. For small files (adapters): the bytes are held beside the tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvshareError(f"{path}: no such file")
+    try:
+        raw = path.read_bytes()
+        return raw, safetensors_load(raw)
     except (SafetensorError, OSError, ValueError) as err:
         raise KvshareError(f"{path}: not a valid safetensors file ({_one_line(err)})") from None
 

@@ -24,7 +24,8 @@ import torch
 from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..errors import KvshareError
 from ..export import verify_adapter_dir
-from ..safetensors_io import load_tensors, read_json
+from ..manifest import check_loaded_files
+from ..safetensors_io import read_json, read_tensor_file
 from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind, serving_spec
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -50,14 +51,19 @@ class LoadedAdapter:
         return max((a.shape[0] for a, _, _ in self.weights.values()), default=0)
 
 
-def adapter_digest(path: Path, kind: AdapterKind, invocation: list[int] | None) -> str:
+def adapter_digest(path: Path, kind: AdapterKind, invocation: list[int] | None, *, config: dict | None = None,
+                   weights: bytes | None = None) -> str:
     """sha256 over what changes the adapter's KV and outputs: weight bytes, LoRA config,
-    kind and invocation ids (not its name or provenance)."""
+    kind and invocation ids (not its name or provenance). ``config`` and ``weights``, when
+    given, are what the caller already read from ``path`` (the same digest)."""
     h = hashlib.sha256(f"kvshare-adapter:{kind.value}:{invocation}".encode())
-    h.update(json.dumps(read_json(path / ADAPTER_CONFIG), sort_keys=True).encode())
-    with open(path / ADAPTER_WEIGHTS, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    h.update(json.dumps(config if config is not None else read_json(path / ADAPTER_CONFIG), sort_keys=True).encode())
+    if weights is not None:
+        h.update(weights)
+    else:
+        with open(path / ADAPTER_WEIGHTS, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return "sha256:" + h.hexdigest()
 
 
@@ -95,10 +101,14 @@ class AdapterSet:
         if kv_layout is None:
             kv_layout = self.default_kv_layout if manifest["kind"] == AdapterKind.LORA.value else "exact"
         serving_spec(manifest["kind"], kv_layout)  # a layout the kind has, or a clear error
+        # the config and weights are read once: what is checked, loaded and digested is one thing,
+        # even if the files are replaced while this runs
         config = read_json(path / ADAPTER_CONFIG)
+        raw, tensors = read_tensor_file(path / ADAPTER_WEIGHTS)
+        check_loaded_files(manifest, path, {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: raw})
         alpha, use_rslora = float(config.get("lora_alpha", config["r"])), bool(config.get("use_rslora"))
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for key, tensor in load_tensors(path / ADAPTER_WEIGHTS).items():
+        for key, tensor in tensors.items():
             match = _KEY.match(key)
             if not match:
                 raise KvshareError(f"{path}: tensor {key!r} is not a decoder-layer LoRA weight")
@@ -111,7 +121,8 @@ class AdapterSet:
         kind = parse_kind(manifest["kind"])
         invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
         adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights,
-                                adapter_digest(path, kind, invocation), kv_layout)
+                                adapter_digest(path, kind, invocation, config=config, weights=raw), kv_layout)
+        del raw, tensors
         if kv_layout == "forkkv" and adapter.rank > self.residual_rank:
             raise KvshareError(f"adapter {name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
                                f"rank {self.residual_rank} at most (raise forkkv_max_rank)")

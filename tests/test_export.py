@@ -307,6 +307,35 @@ def test_adapter_files_changed_after_export_are_refused(cli, checkpoints, base, 
     assert cli("inspect", out, "--base", base).code == 0
 
 
+def test_the_engine_checks_and_digests_the_weights_it_loaded(cli, checkpoints, base, tmp_path, monkeypatch):
+    """The engine reads an adapter's weights once: the manifest's check, the tensors and the
+    digest its KV blocks are keyed by come from the same bytes. Weights swapped between the
+    folder's verification and the load are refused, not served under the verified digest."""
+    from safetensors.torch import load_file, save_file
+
+    from kvshare.kinds import AdapterKind
+    from kvshare.serve import LLM
+    from kvshare.serve import adapters as serving
+    from kvshare.serve.adapters import adapter_digest
+
+    out = tmp_path / "a"
+    assert export(cli, checkpoints["lora"], "lora", base, out).code == 0
+    llm = LLM(base, [out])
+    loaded = llm.engine._adapters.slots[0]
+    assert loaded.digest == adapter_digest(out, AdapterKind.LORA, None)  # the same digest as read from disk
+    weights = load_file(out / "adapter_model.safetensors")
+    verify = serving.verify_adapter_dir
+
+    def verified_then_swapped(folder, base=None):
+        data = verify(folder, base=base)
+        save_file({k: v + 1 for k, v in weights.items()}, out / "adapter_model.safetensors")
+        return data
+
+    monkeypatch.setattr(serving, "verify_adapter_dir", verified_then_swapped)
+    with pytest.raises(KvshareError, match="adapter_model.safetensors changed since it was exported"):
+        llm.engine.load_adapter(out, name="again")
+
+
 @pytest.mark.parametrize("pattern", ["alpha_pattern", "rank_pattern"])
 def test_per_module_rank_or_alpha_is_refused(cli, checkpoints, base, tmp_path, pattern):
     """Serving fuses q/k/v (and gate/up) under one scale: a per-module alpha was lost, and a
