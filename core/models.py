@@ -135,6 +135,27 @@ def load_tokenizer(name_or_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def end_of_sequence_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """Every token that ends a generation: the tokenizer's end-of-sequence token and the
+    ``eos_token_id`` (an id or a list) of ``generation_config.json``, or of ``config.json``
+    when there is none, as transformers' ``generate`` and vLLM stop on. A chat model's
+    end of turn is often not the tokenizer's EOS (Qwen2.5's ``<|im_end|>`` beside
+    ``<|endoftext|>``, Llama 3's ``<|eot_id|>``): stopping on the tokenizer's alone, it would
+    write the next turns itself."""
+    from .safetensors_io import read_json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        value = read_json(path).get("eos_token_id")
+        values = value if isinstance(value, list) else [value]
+        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+        break  # generation_config.json, when there is one, is what generate() follows
+    return frozenset(ids)
+
+
 def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer) from a zoo name or a local folder, offline, safetensors only."""
     from transformers import AutoModelForCausalLM

@@ -25,7 +25,7 @@ from ..errors import KvshareError
 from ..fingerprint import fingerprints
 from ..hardware import warn_if_bf16_is_slow
 from ..kernels import Kernels
-from ..models import load_tokenizer, resolve_model_dir
+from ..models import end_of_sequence_ids, load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
 from .batch import StepPlan
@@ -62,6 +62,7 @@ class LLMEngine:
         if self.dtype is torch.bfloat16 and self.device.type == "cpu":
             warn_if_bf16_is_slow("engine dtype bfloat16")
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = end_of_sequence_ids(self.model_dir, self.tokenizer)
         self.fingerprint = fingerprints(self.model_dir).base
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, config.kv_cache_tokens,
                                   config.kv_cache_bytes, config.block_size, Kernels(config.kernels, config.device),
@@ -300,7 +301,7 @@ class LLMEngine:
         def finish(seq: Sequence) -> str | None:
             try:
                 new_text = seq.detokenizer.update(seq.output)
-                reason, cut = stop_reason(seq, self.tokenizer.eos_token_id, self.max_model_len, new_text)
+                reason, cut = stop_reason(seq, self.eos_token_ids, self.max_model_len, new_text)
                 if reason is not None:
                     seq.detokenizer.flush(seq.output)
             except Exception:  # this request's text alone: fail it, not the step
@@ -399,12 +400,13 @@ class LLMEngine:
         arena (SwiftCache's layer-stream cache). Needs an idle engine."""
         if self.sequences:
             raise KvshareError("join_arena needs an idle engine")
+        self._land_loads("join_arena")  # a prefetch's loads write the old memory
         view = arena.view(name)
         self.runner.use_kv_memory(view)
         if stream_rows:
             self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)
-        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))  # the tier's loads in flight land first
-        if self._blocks.tier is not None:  # only then: they write the old pool's block ids
+        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
+        if self._blocks.tier is not None:  # only now: its loads wrote the old pool's block ids
             self._blocks.tier.device_kv = view
         if self._blocks.residual is not None and self.config.forkkv_residual_tokens is None:
             self._blocks.residual = None  # its default size: from the blocks held now, not those it was built with
@@ -460,7 +462,18 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""
+        self._land_loads("reset_prefix_cache")
         self._blocks.reset()
+
+    def _land_loads(self, why: str, timeout: float = 60.0) -> None:
+        """Let the host tier's loads in flight land and be collected (a prefetch the last step
+        started: each holds a block until then), before ``why`` changes the pool under them."""
+        deadline = time.monotonic() + timeout
+        while self._blocks.loads_in_flight():
+            if time.monotonic() > deadline:
+                raise KvshareError(f"{why}: host-tier loads did not land within {timeout:g} s")
+            self._blocks.wait_for_loads(1.0)
+            self._blocks.poll_loads()
 
     def kv_usage(self) -> dict:
         """Per pool: blocks in total, in use, shared, private, unsealed, cached-idle, and the

@@ -64,15 +64,16 @@ class IncrementalDetokenizer:
             self.read_offset = len(ids)
 
 
-def stop_reason(seq: Sequence, eos_token_id: int | None, max_model_len: int,
+def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int,
                 new_text: str) -> tuple[str | None, int | None]:
     """Why ``seq`` stops after its newest token, if it does, and where its text is cut.
 
-    Returns (reason, cut): reason is "stop" or "length" (None: go on); cut is the text
-    length to keep when a stop string matched.
+    ``eos_token_ids``: every end-of-sequence id of the model
+    (:func:`kvshare.models.end_of_sequence_ids`). Returns (reason, cut): reason is "stop"
+    or "length" (None: go on); cut is the text length to keep when a stop string matched.
     """
     params, token = seq.params, seq.output[-1]
-    if not params.ignore_eos and token == eos_token_id:
+    if not params.ignore_eos and token in eos_token_ids:
         return "stop", None
     if token in params.stop_token_ids:
         return "stop", None

@@ -90,6 +90,7 @@ class _OpenAIRequest(BaseModel):
     seed: int | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's per-tenant prefix-cache salt
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-sequence token
+    stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end a choice, as the EOS does
     kvshare_hints: dict | None = None  # agent hints (serve/hints.py), e.g. {"workflow_id": ..., "agent_id": ...}
     # OpenAI's own optional fields, accepted and ignored at their neutral values
     user: str | None = None
@@ -303,13 +304,22 @@ def _nesting(value, limit: int) -> int:
 
 def _stop_prefix(text: str, stops: list[str]) -> int:
     """Length of the longest end of ``text`` that begins a stop string: a stream holds it back
-    until the next tokens show whether the stop string follows (and would be cut), as vLLM does."""
-    longest = 0
+    until the next tokens show whether the stop string follows (and would be cut), as vLLM does.
+    Only lengths whose last character is the text's last are compared (``rfind`` finds them),
+    so long stop strings cost a scan per streamed chunk, not a copy per length."""
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+        k = min(len(stop) - 1, len(text))
+        while k > longest:
+            k = stop.rfind(last, 0, k) + 1  # the longest k' <= k with stop[k' - 1] == last; 0: none
+            if k <= longest:
+                break
             if text.endswith(stop[:k]):
                 longest = k
                 break
+            k -= 1
     return longest
 
 
@@ -327,6 +337,13 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
         raise ApiError(400, f"each stop sequence must have 1 to {limits.max_stop_length} characters", param="stop")
     if req.top_k is not None and req.top_k > vocab_size:
         raise ApiError(400, f"top_k must be -1 (off) or at most the vocabulary size {vocab_size}", param="top_k")
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > limits.max_stop_sequences:
+        raise ApiError(400, f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_sequences} are "
+                       "allowed", param="stop_token_ids")
+    if any(not 0 <= i < vocab_size for i in stop_ids):
+        raise ApiError(400, f"stop_token_ids must be token ids of the vocabulary (0 to {vocab_size - 1})",
+                       param="stop_token_ids")
     for name in ("logprobs", "top_logprobs"):
         value = getattr(req, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
@@ -394,6 +411,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         return _error(err.status_code, str(err.detail), "invalid_request_error" if err.status_code < 500
                       else "server_error")
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):  # a bug of ours: OpenAI's shape; logged by Starlette
+        return _error(500, f"internal server error ({type(err).__name__}); see the server's log", "server_error")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
         first = err.errors()[0]
@@ -423,7 +444,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=max(0, req.top_k or 0), min_p=req.min_p,
                                   repetition_penalty=req.repetition_penalty, cache_salt=req.cache_salt,
-                                  ignore_eos=req.ignore_eos,
+                                  ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
@@ -660,6 +681,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             return await off_loop(engine.chat_prompt, plain, adapter)
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+        except KvshareError as err:  # e.g. the adapter was unloaded since the request named it
+            raise ApiError(400, str(err), param="model") from None
 
     def tokenizing_engine(model: str | None) -> tuple[LLMEngine, str | None]:
         """The engine (and adapter) a tokenize request names; the first base when it names none."""

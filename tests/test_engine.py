@@ -111,6 +111,32 @@ def test_bfloat16_engine_runs_and_mostly_agrees(tiny_models, tokenizer):
     assert out.token_ids[:4] == hf_greedy(hf, prompt, 8)[:4]
 
 
+def test_generation_stops_on_every_end_of_sequence_id_of_the_model(base, tokenizer, tmp_path):
+    """A chat model's end of turn is often not its tokenizer's EOS (Qwen2.5's <|im_end|>,
+    Llama 3's <|eot_id|>): the ids of generation_config.json (else config.json) end a
+    generation too, as in transformers' generate and vLLM; ``ignore_eos`` passes them all."""
+    import json
+    import shutil
+
+    from kvshare.models import end_of_sequence_ids
+
+    prompt = prompts_for(tokenizer, 1)[0]
+    first = LLM(base, kv_cache_tokens=512).generate([prompt], SamplingParams(max_tokens=1))[0].token_ids[0]
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, first]}))
+    llm = LLM(model, kv_cache_tokens=512)
+    assert llm.engine.eos_token_ids == {tokenizer.eos_token_id, first}
+    out = llm.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    (model / "generation_config.json").unlink()  # none: config.json's
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
+    assert end_of_sequence_ids(model, tokenizer) == {tokenizer.eos_token_id, 7}
+
+
 @pytest.mark.parametrize("name", ["lora-a", "lora-b", "alora-a"])
 def test_lora_and_alora_greedy_equal_peft(base, adapters, tokenizer, invocation, name):
     prompts = prompts_for(tokenizer, 2)

@@ -394,6 +394,31 @@ def test_an_engine_with_loads_in_flight_is_unfinished_until_they_land(base, fixe
     llm.engine.reset_prefix_cache()
 
 
+def test_resetting_the_cache_lets_loads_in_flight_land_first(base, fixed_prompts):
+    """A caller that stops stepping once its requests finish may leave a prefetch's loads in
+    flight; resetting the prefix cache (or joining an arena) then waits for them to land
+    instead of failing on their blocks (a RuntimeError before)."""
+    block_bytes = LLM(base, kv_cache_tokens=64, block_size=BS).engine.kv_bytes_per_token * BS
+    slow = block_bytes / 0.05 / 1e9  # 50 ms a block
+    llm = LLM(base, kv_cache_tokens=20 * BS, block_size=BS, eviction_policy="step", host_cache_tokens=1024,
+              prefetch_steps=2, host_bandwidth_gbps=slow)
+    engine, rng, caught = llm.engine, random.Random(3), 0
+    for turn in range(16):
+        a = turn % len(fixed_prompts)
+        hints = {"workflow_id": "wf", "agent_id": f"agent{a}", "fixed_prefix_tokens": FIXED,
+                 "steps_to_execution": {f"agent{(turn + k) % 4}": k for k in range(1, 5)}}
+        engine.add_request(fixed_prompts[a] + [rng.randrange(10, 200) for _ in range(5)],
+                           SamplingParams(max_tokens=4, ignore_eos=True), hints=hints)
+        while engine.sequences:  # stop as soon as the request is done, loads or not
+            engine.step()
+        if engine.stats()["host_loads_in_flight"]:
+            caught += 1
+            engine.reset_prefix_cache()
+            stats = engine.stats()
+            assert stats["host_loads_in_flight"] == 0 and stats["blocks_in_use"] == 0, stats
+    assert caught, "no turn ended with loads in flight: the test did not test"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (the CPU tier copies in order)")
 def test_a_load_lands_after_the_engines_queued_kernels_on_its_block():
     """A load's copy runs on the tier's own stream: it must wait for the kernels the engine

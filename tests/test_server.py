@@ -688,8 +688,9 @@ def test_runtime_lora_loading_is_404_without_the_flag_and_on_with_vllms_variable
 
 def test_a_vllm_command_line_runs_unchanged(cli, base, adapters, monkeypatch):
     """`vllm serve MODEL --enable-lora --lora-modules ... --enable-prefix-caching` (the model
-    positional, vLLM's always-on flags accepted) serves as `--model` does; `ignore_eos`
-    (vLLM's field) generates max_tokens past the end-of-sequence token."""
+    positional, vLLM's always-on flags accepted) serves as `--model` does; vLLM's fields:
+    `stop_token_ids` (ids outside the vocabulary a 400) end a choice, `ignore_eos` generates
+    max_tokens past the end-of-sequence token."""
     from fastapi.testclient import TestClient
 
     from conftest import assert_one_line_error
@@ -704,9 +705,12 @@ def test_a_vllm_command_line_runs_unchanged(cli, base, adapters, monkeypatch):
         body = {"model": "mine", "prompt": [5, 6, 7], "temperature": 0}
         alone = LLM(base, [adapters["lora-a"]], kv_cache_tokens=512)
         first = alone.generate([[5, 6, 7]], SamplingParams(max_tokens=1), adapter="lora-a")[0].token_ids[0]
-        tokenizer = apps[0].state.runner.engine.tokenizer
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first)  # the greedy first token now ends it
-        assert tokenizer.eos_token_id == first
+        stopped = local.post("/v1/completions", json=body | {"max_tokens": 12, "stop_token_ids": [first]}).json()
+        assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
+        for bad in ([-1], [10 ** 9], list(range(100))):  # outside the vocabulary; more than the limit allows
+            r = local.post("/v1/completions", json=body | {"stop_token_ids": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        apps[0].state.runner.engine.eos_token_ids = frozenset({first})  # the greedy first token now ends it
         stopped = local.post("/v1/completions", json=body | {"max_tokens": 12}).json()
         assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
         r = local.post("/v1/completions", json=body | {"max_tokens": 12, "ignore_eos": True})
@@ -858,3 +862,47 @@ def test_completions_take_vllms_add_special_tokens(base, monkeypatch):
             r = client.post("/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 1, **extra})
             assert r.status_code == 200, r.text
     assert seen == [False, True]
+
+
+def test_a_stream_holds_back_the_longest_end_that_begins_a_stop_string():
+    """``_stop_prefix`` (which skips lengths whose last character cannot match) against the
+    definition, on random texts and stop strings over a small alphabet (many partial matches)."""
+    import random
+
+    from kvshare.serve.server import _stop_prefix
+
+    def by_definition(text, stops):
+        return max([k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
+                    if text.endswith(s[:k])], default=0)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 4))]
+        assert _stop_prefix(text, stops) == by_definition(text, stops), (text, stops)
+
+
+def test_unexpected_failures_are_openai_errors_not_tracebacks(cli, base, monkeypatch):
+    """An error the server did not foresee is a 500 in OpenAI's error shape (its traceback in
+    the server's log), and an engine error while rendering a chat (an adapter unloaded since
+    the request named it) a 400; the server goes on serving."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from kvshare.errors import KvshareError
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert cli("serve", base, "--kv-cache-tokens", "512").code == 0
+    engine = apps[0].state.runner.engine
+    body = {"model": str(base), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with TestClient(apps[0], raise_server_exceptions=False) as local:
+        for error, status, kind in ((RuntimeError("a bug"), 500, "server_error"),
+                                    (KvshareError("unknown adapter 'gone'"), 400, "invalid_request_error")):
+            def failing(*args, error=error):
+                raise error
+            monkeypatch.setattr(engine, "chat_prompt", failing)
+            r = local.post("/v1/chat/completions", json=body)
+            assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+        monkeypatch.undo()
+        assert local.post("/v1/completions", json={"model": str(base), "prompt": [5, 6], "max_tokens": 2}).status_code == 200
