@@ -599,22 +599,59 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
-    def logprob_block(tokenizer, out: RequestOutput, echo: bool) -> dict:
+    def token_texts(tokenizer, outs: list[RequestOutput], prompts: bool) -> dict[int, str]:
+        """Each token's text (``decode([id])``) for every id the outputs' logprobs name (and
+        their prompts'), decoded once per distinct id in one batch: an lm-eval request of 64
+        long prompts with echo names hundreds of thousands."""
+        ids = {e["token"] for out in outs for e in out.logprobs}
+        ids.update(t for out in outs for e in out.logprobs for t in e["top"])
+        if prompts:
+            ids.update(t for out in outs for t in out.prompt_token_ids)
+            ids.update(t for out in outs for e in (out.prompt_logprobs or []) if e for t in e["top"])
+        ids = list(ids)
+        return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))
+
+    def logprob_block(texts: dict[int, str], out: RequestOutput, echo: bool) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
         no logprob, as in OpenAI and vLLM)."""
         pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
         pairs += [(e["token"], e) for e in out.logprobs]
-        return {"tokens": [tokenizer.decode([t]) for t, _ in pairs],
+        return {"tokens": [texts[t] for t, _ in pairs],
                 "token_logprobs": [e and e["logprob"] for _, e in pairs],
-                "top_logprobs": [e and top_by_text(tokenizer, e["top"]) for _, e in pairs]}
+                "top_logprobs": [e and top_by_text(texts, e["top"]) for _, e in pairs]}
 
-    def top_by_text(tokenizer, top: dict[int, float]) -> dict[str, float]:
+    def top_by_text(texts: dict[int, str], top: dict[int, float]) -> dict[str, float]:
         """OpenAI keys alternatives by text; tokens that decode alike (partial UTF-8 bytes) keep
         the best logprob (``top`` comes best first)."""
         by_text: dict[str, float] = {}
         for token, logprob in top.items():
-            by_text.setdefault(tokenizer.decode([token]), logprob)
+            by_text.setdefault(texts[token], logprob)
         return by_text
+
+    def completion_choices(tokenizer, outs: list[RequestOutput], req: CompletionRequest) -> list[dict]:
+        """A finished completion's choices: run on the tokenizer thread, since echo and logprobs
+        decode every prompt and output token and each alternative (the event loop serves
+        every other request meanwhile)."""
+        texts = token_texts(tokenizer, outs, req.echo) if req.logprobs is not None else {}
+        return [{"index": i, "finish_reason": out.finish_reason,
+                 "text": (tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
+                 "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo)}
+                for i, out in enumerate(outs)]
+
+    def chat_choices(tokenizer, outs: list[RequestOutput], logprobs: bool) -> list[dict]:
+        """A finished chat's choices (on the tokenizer thread, as :func:`completion_choices`)."""
+        texts = token_texts(tokenizer, outs, False) if logprobs else {}
+        choices = []
+        for index, out in enumerate(outs):
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
+                                      "finish_reason": out.finish_reason}
+            if logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": texts[e["token"]], "logprob": e["logprob"],
+                     "top_logprobs": [{"token": texts[t], "logprob": v} for t, v in e["top"].items()]}
+                    for e in out.logprobs]}
+            choices.append(choice)
+        return choices
 
     async def prompts_of(req: CompletionRequest, tokenizer) -> list[list[int]]:
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
@@ -751,10 +788,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         started = await unless_gone(request, start_all(jobs, base, adapter, hints_of(req, request), req.n))
         if not req.stream:
             outs = await unless_gone(request, collect_all(started, base))
-            choices = [{"index": i, "finish_reason": out.finish_reason,
-                        "text": (engine.tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
-                        "logprobs": None if req.logprobs is None else logprob_block(engine.tokenizer, out, req.echo)}
-                       for i, out in enumerate(outs)]
+            choices = await off_loop(completion_choices, engine.tokenizer, outs, req)
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
                     "choices": choices, "usage": usage(outs, req.n)}
 
@@ -783,17 +817,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         if req.stream:
             return stream_events(started, base, params.stop, *chunker(rid, created, req, body))
         outs = await unless_gone(request, collect_all(started, base))
-        choices = []
-        for index, out in enumerate(outs):
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
-                                      "finish_reason": out.finish_reason}
-            if req.logprobs:
-                tok = engine.tokenizer
-                choice["logprobs"] = {"content": [
-                    {"token": tok.decode([e["token"]]), "logprob": e["logprob"],
-                     "top_logprobs": [{"token": tok.decode([t]), "logprob": v} for t, v in e["top"].items()]}
-                    for e in out.logprobs]}
-            choices.append(choice)
+        choices = await off_loop(chat_choices, engine.tokenizer, outs, bool(req.logprobs))
         return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage(outs, req.n)}
 

@@ -906,3 +906,40 @@ def test_unexpected_failures_are_openai_errors_not_tracebacks(cli, base, monkeyp
             assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
         monkeypatch.undo()
         assert local.post("/v1/completions", json={"model": str(base), "prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
+def test_logprob_responses_are_built_off_the_event_loop(cli, base, monkeypatch):
+    """echo + logprobs decode every prompt and output token and each alternative (an lm-eval
+    batch: hundreds of thousands): on the tokenizer thread, once per distinct id, never on
+    the event loop that serves every other request."""
+    import asyncio
+
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert cli("serve", base, "--kv-cache-tokens", "512").code == 0
+    tokenizer = apps[0].state.runner.engine.tokenizer
+    on_loop, original = [], tokenizer.batch_decode
+
+    def recording(ids, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        assert len({tuple(i) for i in ids}) == len(ids)  # each distinct id once
+        return original(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "batch_decode", recording)
+    with TestClient(apps[0]) as local:
+        r = local.post("/v1/completions", json={"model": str(base), "prompt": [5, 6, 7, 5], "max_tokens": 3,
+                                                "logprobs": 2, "echo": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4 + 3
+        assert r.json()["choices"][0]["logprobs"]["tokens"][:4] == [tokenizer.decode([t]) for t in (5, 6, 7, 5)]
+        r = local.post("/v1/chat/completions", json={"model": str(base), "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"]) == 3, r.text
+    assert on_loop and not any(on_loop)
