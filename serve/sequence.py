@@ -39,6 +39,9 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     chain_key: bytes | None = None  # prefix-cache key of the last of those blocks
+    # the key that block is stored under: chain_key, except where ForkKV resumed on an exact
+    # base block (stored under the base's key); the eviction tree links the next block to it
+    parent_key: bytes | None = None
     # ForkKV (spec.kv_layout == "forkkv"): the private rank-r residual lives in its own pool
     res_table: list[int] = field(default_factory=list)  # residual-pool blocks
     res_hashed_blocks: int = 0  # leading residual blocks registered in the residual index

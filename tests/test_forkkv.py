@@ -97,6 +97,22 @@ def test_forkkv_reads_exact_base_blocks_but_never_writes_them(base, adapters, to
     assert run(llm, prompt) == (base_out, len(prompt) // BS * BS)  # the base still reads its own KV
 
 
+def test_blocks_after_a_reused_exact_base_block_link_to_it(base, adapters, tokenizer):
+    """Eviction takes leaves first, keeping a block while blocks that continue it are cached: a
+    ForkKV request that resumed on exact base blocks links its own next blocks to the key those
+    are stored under (it linked them to its own namespace's key, which no block has, so the
+    base block looked like a leaf)."""
+    llm = forkkv_llm(base, adapters)
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    run(llm, prompt)
+    run(llm, prompt, "lora-a", SamplingParams(max_tokens=3 * BS, ignore_eos=True))
+    manager = llm.engine._blocks
+    keys = {info.key for info in manager.blocks if info.key is not None}
+    parents = [info.parent for info in manager.blocks if info.parent is not None]
+    assert len(parents) > len(prompt) // BS  # the base's chain and the ForkKV request's own blocks
+    assert all(parent in keys for parent in parents)
+
+
 def test_layer_zero_base_part_is_the_base_models_kv(base, adapters, tokenizer):
     """At layer 0 every agent's hidden state is the embedding, so the shared part is exact
     there; past it, the adapter's hidden states make it differ."""

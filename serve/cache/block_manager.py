@@ -207,10 +207,11 @@ class BlockManager:
             seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
                                                         seq.hints.fixed_prefix_tokens, self.block_size)
         hits: list[int] = []
+        stored_under = None  # the last hit's key in the index
         for index, key in enumerate(keys):
-            block_id = self.index.lookup(key)
+            block_id, stored_under_now = self.index.lookup(key), key
             if block_id is None and exact is not None:
-                block_id = self.index.lookup(exact[index])  # read exact base KV, never write it
+                block_id, stored_under_now = self.index.lookup(exact[index]), exact[index]  # read, never write
             if block_id is None:
                 if self.index.is_pending(key):
                     raise PrefixPending  # same prefix admitted just before: share it once computed
@@ -218,6 +219,7 @@ class BlockManager:
                     self._load_back(seq, keys[index:], hits)  # raises PrefixLoading if it started loads
                 break
             hits.append(block_id)
+            stored_under = stored_under_now
         fresh = self.blocks_needed(length) - len(hits)
         reusable_evictable = sum(1 for b in hits if b in self.policy)
         if fresh > self.num_free - reusable_evictable:
@@ -245,6 +247,7 @@ class BlockManager:
             self.stats.forkkv_base_read_tokens += min(seq.base_cached, len(seq.prompt))
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
+        seq.parent_key = stored_under
         if seq.waiting_on_loads_since is not None:
             seq.load_wait_s += time.perf_counter() - seq.waiting_on_loads_since
             seq.waiting_on_loads_since = None
@@ -416,9 +419,9 @@ class BlockManager:
             block_id = seq.block_table[index]  # freshly computed here, so never published before
             if self.index.publish(key, block_id):
                 fixed = seq.agent is not None and index < seq.fixed_blocks
-                self._link(block_id, key, owner, seq.chain_key, {seq.agent} if fixed else set(),
+                self._link(block_id, key, owner, seq.parent_key, {seq.agent} if fixed else set(),
                            dynamic=seq.agent is not None and not fixed)
-            seq.chain_key = key
+            seq.chain_key = seq.parent_key = key
         seq.hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
@@ -432,7 +435,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.hashed_blocks = 0
-        seq.chain_key = None
+        seq.chain_key = seq.parent_key = None
 
     # lending (SwiftCache) ------------------------------------------------------------------
     def grant(self, block_ids: list[int]) -> None:
