@@ -170,6 +170,23 @@ def test_the_benchmark_says_when_a_fast_step_gave_up():
     assert _how_steps_ran(llm(gave_up)) == "eager (compiled step gave up: RuntimeError: no)"
 
 
+def test_the_benchmark_says_which_lora_kernel_the_graphs_took(monkeypatch):
+    """CUDA graphs name their LoRA kernel (KVSHARE_GRAPH_LORA) and a fallback, if one happened."""
+    from types import SimpleNamespace
+
+    from kvshare.eval.perf.engine import _how_steps_ran
+    from kvshare.kernels.triton import linear_lora
+    from kvshare.serve.cuda_graphs import GraphedStep
+
+    graphed = GraphedStep.__new__(GraphedStep)
+    graphed.unavailable, graphed.steps, graphed.lora_kernel = None, 5, "fused"
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(compiled=graphed)))
+    monkeypatch.setattr(linear_lora, "_failed", None)
+    assert _how_steps_ran(llm) == "CUDA graphs (5 steps; LoRA: fused)"
+    monkeypatch.setattr(linear_lora, "_failed", "RuntimeError: no")
+    assert _how_steps_ran(llm) == "CUDA graphs (5 steps; LoRA: fused; projection + LoRA kernel fell back: RuntimeError: no)"
+
+
 def test_capacity_in_tokens_or_bytes(base):
     by_tokens = LLM(base, kv_cache_tokens=640, block_size=16).engine
     per_token = by_tokens.kv_bytes_per_token

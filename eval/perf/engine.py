@@ -247,9 +247,12 @@ def _how_steps_ran(llm: LLM) -> str:
     if fast.unavailable is not None:
         return f"eager ({kind} gave up: {fast.unavailable})"
     lora = ""
-    if isinstance(fast, GraphedStep):  # the graphs' multi-part LoRA kernel may have fallen back
-        from ...kernels.triton import bgmv
-        lora = f"; LoRA parts launched one by one: {bgmv._parts_failed}" if bgmv._parts_failed else ""
+    if isinstance(fast, GraphedStep):  # which LoRA kernels the graphs took, and whether one fell back
+        from ...kernels.triton import bgmv, linear_lora
+        lora = f"; LoRA: {fast.lora_kernel}"
+        lora += f"; LoRA parts launched one by one: {bgmv._parts_failed}" if bgmv._parts_failed else ""
+        if fast.lora_kernel == "fused" and linear_lora._failed:
+            lora += f"; projection + LoRA kernel fell back: {linear_lora._failed}"
     return f"{kind} ({fast.steps} steps{lora})"
 
 
