@@ -21,12 +21,9 @@ def run_demo(model: str = "smollm2-135m-instruct", prompt: str = "Hello!",
     if model in zoo.ZOO and not Path(model).is_dir():
         zoo.pull(model, log=lambda msg: print(msg, file=sys.stderr))
     llm = LLM(model, kv_cache_tokens=4096)
-    tokenizer = llm.engine.tokenizer
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)["input_ids"]
+    ids = llm.engine.chat_prompt([{"role": "user", "content": prompt}])  # a clear error without a chat template
     start = time.perf_counter()
-    out = llm.generate([list(ids)], SamplingParams(max_tokens=max_new_tokens))[0]
+    out = llm.generate([ids], SamplingParams(max_tokens=max_new_tokens))[0]
     seconds = time.perf_counter() - start
     answer = out.text.strip()
     print(f"user: {prompt}")

@@ -22,6 +22,8 @@ def load_spec(path: str | Path, model: type[Spec], what: str, overrides: list[st
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise KvshareError(f"{path}: malformed YAML ({' '.join(str(err).split())})") from None
+    except UnicodeDecodeError:
+        raise KvshareError(f"{path}: not UTF-8 text (a {what} is a YAML file)") from None
     if not isinstance(data, dict):
         raise KvshareError(f"{path}: a {what} is a mapping of keys to values")
     for item in overrides or []:

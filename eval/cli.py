@@ -10,11 +10,29 @@ from ..errors import KvshareError
 from ..serve.config import DEFAULT_COMPILE_MAX_ROWS, EngineConfig
 
 
+def _at_least(args: argparse.Namespace, minimum: float, *names: str) -> None:
+    """A one-line error, before any work, for a number a command cannot take: 0 or less would
+    read "all" (a limit), divide by zero (agents, rates) or run nothing (a batch)."""
+    for name in names:
+        value = getattr(args, name, None)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None and v < minimum:
+                raise KvshareError(f"--{name.replace('_', '-')} must be at least {minimum:g}, not {v:g}")
+
+
+def _above_zero(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None and not v > 0:
+                raise KvshareError(f"--{name.replace('_', '-')} must be more than 0, not {v:g}")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
-    for name in ("limit", "batch", "max_tokens", "samples"):  # 0 would read "all" or nothing
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise KvshareError(f"--{name.replace('_', '-')} must be at least 1")
+    _at_least(args, 1, "limit", "batch", "max_tokens", "samples")  # 0 would read "all" or nothing
+    _at_least(args, 0, "shots")
+    if args.adapter and not Path(args.adapter).is_dir():  # now, not after the data and the model load
+        raise KvshareError(f"{args.adapter}: no such adapter folder")
     if args.task == "gsm8k":
         from .gsm8k import evaluate_gsm8k
 
@@ -31,6 +49,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         if not args.spec:
             raise KvshareError("kvshare eval suite needs --spec SUITE.yaml")
+        given = [f"--{n}" for n in ("adapter", "limit") if getattr(args, n) is not None]
+        if given:  # the spec names the systems and limits: these would be ignored without a word
+            raise KvshareError(f"kvshare eval suite takes its models, adapters and limits from --spec, not {given[0]}")
         report = run_suite(args.spec, args.out, overwrite=args.overwrite)
         print(report["quality_md"] + "\n" + report["orchestration_md"], end="")
         return 0
@@ -64,6 +85,8 @@ def run_lm_eval(args: argparse.Namespace) -> int:
         cli_evaluate()
     except SystemExit as stop:  # argparse's own exits (usage errors, --help)
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except ValueError as err:  # lm-eval's answer to a user's mistake: an unknown task, bad --model_args
+        raise KvshareError(f"lm-eval: {' '.join(str(err).split())}") from None
     return 0
 
 
@@ -72,6 +95,11 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
     if args.new_tokens < 2:  # decode speed is timed from the second token on
         raise KvshareError("--new-tokens must be at least 2")
+    _at_least(args, 1, "threads", "rounds")
+    from ..serve.runner import resolve_device
+
+    if args.peer is None:  # (a peer runs on the CPU only, and says so itself)
+        resolve_device(args.device)  # "gpu", or cuda without one: an error now, not after loading the model
 
     results = run_engine_bench(model=args.model, dtype=args.dtype, threads=args.threads,
                                new_tokens=args.new_tokens, out_dir=args.out, quick=args.quick,
@@ -85,8 +113,11 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
+    from ..serve.runner import resolve_device
     from .perf.kernels import markdown, run_kernel_bench
 
+    _at_least(args, 1, "threads", "batches", "contexts", "lora_rows")
+    resolve_device(args.device)
     torch.set_num_threads(args.threads)
     results = run_kernel_bench(device=args.device, dtype=args.dtype, kernels=args.kernels, shapes=args.shapes,
                                batches=tuple(args.batches), contexts=tuple(args.contexts),
@@ -100,9 +131,7 @@ def _check_workload(args: argparse.Namespace) -> None:
     for name in ("agents", "qps"):
         if min(getattr(args, name)) <= 0:
             raise KvshareError(f"--{name} must be > 0")
-    for name in ("workflows", "turns", "context_tokens", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise KvshareError(f"--{name.replace('_', '-')} must be at least 1")
+    _at_least(args, 1, "workflows", "turns", "context_tokens", "max_tokens", "kv_cache_tokens")
 
 
 def _cmd_bench_workflow(args: argparse.Namespace) -> int:
@@ -163,6 +192,8 @@ def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
 def _cmd_bench_alora(args: argparse.Namespace) -> int:
     from .perf.alora import markdown, run_alora_bench
 
+    _at_least(args, 1, "lengths", "evaluators", "new_tokens")
+
     results = run_alora_bench(model=args.model, lengths=tuple(args.lengths), evaluators=args.evaluators,
                               new_tokens=args.new_tokens, dtype=args.dtype, threads=args.threads, out_dir=args.out)
     print(markdown(results))
@@ -183,6 +214,10 @@ def _cmd_bench_kvflow(args: argparse.Namespace) -> int:
 def _cmd_bench_forkkv(args: argparse.Namespace) -> int:
     from .perf.forkkv import markdown, run_forkkv_bench
 
+    _at_least(args, 1, "agents", "context_tokens", "rank", "concurrent", "decode_tokens", "workflow_agents",
+              "workflows", "turns")
+    _above_zero(args, "qps", "budget_contexts", "workflow_kv_contexts")
+
     results = run_forkkv_bench(
         model=args.model, agent_counts=tuple(args.agents), context_tokens=args.context_tokens, rank=args.rank,
         concurrent=args.concurrent, budget_contexts=args.budget_contexts, decode_tokens=args.decode_tokens,
@@ -194,6 +229,9 @@ def _cmd_bench_forkkv(args: argparse.Namespace) -> int:
 
 def _cmd_bench_forkkv_quality(args: argparse.Namespace) -> int:
     from .perf.forkkv_quality import markdown, run_forkkv_quality
+
+    _at_least(args, 1, "agents", "limit", "max_tokens", "batch")
+    _at_least(args, 0, "cosine_examples")
 
     results = run_forkkv_quality(
         args.adapters, model=args.model, tasks=tuple(args.tasks), agent_counts=tuple(args.agents), limit=args.limit,
@@ -450,7 +488,7 @@ def register(sub) -> None:
     p.add_argument("--spec", metavar="SUITE.yaml", help="suite: systems of adapters and limits "
                    "(see results/quality/suite.yaml)")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--adapter", metavar="NAME_OR_DIR", help="exported adapter folder (default: the base)")
+    p.add_argument("--adapter", metavar="DIR", help="exported adapter folder (default: the base)")
     p.add_argument("--limit", type=int, help="first N examples only")
     p.add_argument("--shots", type=int, default=0, help="gsm8k: few-shot examples from train")
     p.add_argument("--prompt-format", choices=["chat", "plain"], default="chat",

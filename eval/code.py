@@ -36,9 +36,10 @@ from ..serve import SamplingParams
 from ..splits import MBPP_SPLITS, require_data_dir
 from ..train.data import mbpp_prompt
 from .harness import EvalTask, ci_cell, evaluate, mean_ci95
-from .sandbox import Limits, run_module_jailed, run_program
+from .sandbox import Limits, read_untrusted_file, run_module_jailed, run_program
 
 TASKS = ("humaneval", "humanevalplus", "mbpp")
+_MAX_RESULTS_BYTES = 64 * 1024 * 1024  # EvalPlus verdict lines of one run: far below this
 FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.S)
 
 
@@ -165,8 +166,9 @@ def _check_jailed(todo: list[dict], log: Path, timeout: float) -> None:
             code = run_module_jailed("kvshare.eval.evalplus_check", ["requests.jsonl", "results.jsonl"], folder,
                                      env, timeout)
         finally:  # keep every whole verdict line, whatever happened
-            results = folder / "results.jsonl"
-            lines = results.read_text(errors="replace").splitlines(keepends=True) if results.is_file() else []
+            # the folder is the untrusted programs' too: no link followed, a regular file only, bounded
+            raw = read_untrusted_file(folder / "results.jsonl", _MAX_RESULTS_BYTES) or b""
+            lines = raw.decode("utf-8", "replace").splitlines(keepends=True)
             wanted = {t["id"] for t in todo}
             with open(log, "a", encoding="utf-8") as handle:
                 for line in lines:

@@ -76,11 +76,10 @@ def mean_ci95(values: list[float]) -> dict:
 def load_llm(model: str, adapter: str | None, dtype: str = "float32",
              kv_cache_tokens: int = 32768) -> tuple[LLM, str | None]:
     """An engine with the adapter (folder) loaded; returns it and the adapter's name."""
+    if adapter and not Path(adapter).is_dir():  # a fresh engine knows no adapter by name
+        raise KvshareError(f"{adapter}: no such adapter folder")  # before loading the model, not after
     llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype)
-    name = None
-    if adapter:
-        name = llm.engine.load_adapter(adapter) if Path(adapter).is_dir() else adapter
-        llm.engine.adapter(name)  # unknown names fail here with a clear error
+    name = llm.engine.load_adapter(adapter) if adapter else None
     return llm, name
 
 

@@ -34,6 +34,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -178,6 +179,29 @@ def isolation() -> str:
         and "Network is unreachable" in probe.detail else "processes"
 
 
+def _tail(handle, size: int) -> bytes:
+    """The last ``size`` bytes written to an open file."""
+    end = handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, end - size))
+    return handle.read(size)
+
+
+def read_untrusted_file(path: Path, limit: int) -> bytes | None:
+    """A file that untrusted code could have written or replaced, read safely: no symbolic link
+    followed (to the harness's secrets), nothing but a regular file of one link opened (a FIFO
+    would hang the harness, /dev/zero exhaust it), at most ``limit`` bytes. None if absent or
+    not such a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            return None
+        return handle.read(limit)
+
+
 def run_program(source: str, limits: Limits | None = None) -> Outcome:
     """Execute ``source``; passed means it ran to its end without raising or exiting (the
     tests it contains passed), proven by the success marker."""
@@ -266,7 +290,10 @@ def _run(source: str, limits: Limits, jail: bool) -> Outcome:
         if root:
             os.chown(tmp, uid, uid)
         env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": tmp}
-        with open(Path(tmp) / "out.txt", "wb") as out, open(Path(tmp) / "err.txt", "wb") as err:
+        # stdout and stderr are unnamed files outside the program's folder, read back through
+        # these handles: a file in the folder could be swapped by the program for a link to
+        # what the harness may read (its own /proc/self/environ: API keys), a FIFO or /dev/zero
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             limit_args = [str(limits.memory_mb * mb), str(int(limits.timeout) + 1), str(limits.file_mb * mb),
                           str(limits.open_files), str(limits.processes), str(int(not jail and not root))]
             if jail:
@@ -284,8 +311,8 @@ def _run(source: str, limits: Limits, jail: bool) -> Outcome:
             except BrokenPipeError:  # the child died before reading it: not a pass
                 pass
             code = _wait_then_kill_all(proc, limits.timeout, uid)
-        detail = (Path(tmp) / "err.txt").read_bytes()[-2000:].decode("utf-8", "replace")
-        marked = (Path(tmp) / "out.txt").read_bytes().rstrip(b"\n").endswith(b"\n" + nonce.encode())
+            detail = _tail(err, 2000).decode("utf-8", "replace")
+            marked = _tail(out, 256).rstrip(b"\n").endswith(b"\n" + nonce.encode())
     if code is None:
         return Outcome("timeout", detail)
     if code < 0 and -code in (signal.SIGXCPU, signal.SIGKILL):

@@ -161,6 +161,9 @@ class LLMEngine:
         training system prompt first when the conversation brings none; an aLoRA gets the
         conversation then its invocation (no assistant header); others get the chat template's
         generation prompt."""
+        if not self.tokenizer.chat_template:
+            raise KvshareError(f"{self.model_name} has no chat template (a base model?): use an instruct model, "
+                               "or add chat_template to its tokenizer_config.json")
         invocation = None
         if adapter is not None:
             loaded = self.adapter(adapter)

@@ -869,6 +869,7 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
     ``colocate`` models in the same process (with ``lending``, they lend each other KV blocks)."""
     import uvicorn
 
+    check_port_free(host, port)  # before minutes of loading models, not after
     if colocate or lending:
         if served_model_name and len(served_model_name) > 1:
             raise KvshareError("co-located models take one served name each (no aliases)")
@@ -883,4 +884,29 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
             engine.load_adapter(path, lora_name)
         app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
                          enable_lora_loading=enable_lora_loading)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    except SystemExit as stop:  # uvicorn logs why it could not start, then exits
+        if stop.code not in (0, None):
+            raise KvshareError(f"the server could not start on {host}:{port} (uvicorn's log above says why)") from None
+        raise
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A one-line error when ``host:port`` cannot be listened on (in use, not this machine's
+    address, a privileged port), as uvicorn would bind it (``SO_REUSEADDR``)."""
+    import socket
+
+    if port == 0:  # any free port
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise KvshareError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise KvshareError(f"cannot listen on {host}:{port}: {err.strerror}") from None

@@ -26,8 +26,8 @@ from kvshare.eval.sandbox import (Limits, interpreter_open_to_all, isolation, ru
 @pytest.mark.parametrize("source,status", [
     ("assert sum([1, 2]) == 3", "passed"),
     ("assert sum([1, 2]) == 4", "failed"),
-    # another process, in its own empty folder
-    (f"import os\nassert os.getpid() != {os.getpid()}\nassert sorted(os.listdir('.')) == ['err.txt', 'out.txt', 'program.py']", "passed"),
+    # another process, in its own empty folder (its output goes elsewhere: nothing there to swap)
+    (f"import os\nassert os.getpid() != {os.getpid()}\nassert sorted(os.listdir('.')) == ['program.py']", "passed"),
     ("while True:\n    pass", "timeout"),
     ("import time\ntime.sleep(60)", "timeout"),
     ("x = bytearray(8 * 1024 ** 3)", "failed"),  # over the address-space limit: MemoryError
@@ -126,6 +126,38 @@ def test_program_cannot_read_the_harness_environment(tmp_path):
     result = subprocess.run([sys.executable, "-c", harness], env={**os.environ, "KVSHARE_TEST_SECRET": secret},
                             capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "passed", result.stderr
+
+
+def test_the_harness_never_reads_what_the_program_could_swap(monkeypatch):
+    """The program may replace any file in its folder: its stdout and stderr are unnamed files
+    outside it, so a link put in their place (to the harness's own environment, with its API
+    keys) is never followed, and the failure reads what the program printed."""
+    monkeypatch.setenv("KVSHARE_TEST_SECRET", "s3cr3t-" + secrets.token_hex(4))
+    source = ("import posix, sys\n"
+              "for name in ('out.txt', 'err.txt'):\n"
+              "    try:\n        posix.unlink(name)\n    except OSError:\n        pass\n"
+              "    posix.symlink('/proc/self/environ', name)\n"
+              "print('swapped', file=sys.stderr)\n"
+              "raise RuntimeError('after the swap')\n")
+    outcome = run_program(source)
+    assert outcome.status == "failed" and "after the swap" in outcome.detail, outcome
+    assert os.environ["KVSHARE_TEST_SECRET"] not in outcome.detail and "KVSHARE" not in outcome.detail
+
+
+def test_files_untrusted_code_wrote_are_read_without_following_or_hanging(tmp_path):
+    """What the EvalPlus checker's folder holds after untrusted programs ran there: a link, a
+    FIFO (opening it would wait for a writer), a second name of another file, or too much."""
+    from kvshare.eval.sandbox import read_untrusted_file
+
+    secret = tmp_path / "secret"
+    secret.write_text("token")
+    (tmp_path / "plain").write_bytes(b"x" * 100)
+    assert read_untrusted_file(tmp_path / "plain", 10) == b"x" * 10
+    (tmp_path / "link").symlink_to(secret)
+    os.mkfifo(tmp_path / "fifo")
+    os.link(secret, tmp_path / "hard")
+    for name in ("link", "fifo", "hard", "absent"):
+        assert read_untrusted_file(tmp_path / name, 100) is None, name
 
 
 def test_writes_outside_the_sandbox_folder_fail(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import exit_code
+from ..errors import KvshareError, exit_code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
     from .trainer import train
 
+    if args.stop_after is not None and args.stop_after < 1:  # 0 would write a summary of no training
+        raise KvshareError(f"--stop-after must be at least 1, not {args.stop_after}")
     recipe = load_recipe(args.recipe, args.overrides)
     summary = train(recipe, recipe_path=args.recipe, resume=args.resume,
                     force_resume=args.force_resume, stop_after=args.stop_after)

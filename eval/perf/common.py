@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ...errors import KvshareError
+from ...fsutil import write_text_atomic
 from ...models import resolve_model_dir
 from ...serve.engine import LLMEngine, RequestOutput
 from ...serve.sampling import SamplingParams
@@ -74,5 +75,5 @@ def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callab
     """``out_dir/stem.json`` (the figures) and ``out_dir/stem.md`` (the table people read)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{stem}.md").write_text(markdown(results))
+    write_text_atomic(out / f"{stem}.json", json.dumps(results, indent=1))  # never a half-written report
+    write_text_atomic(out / f"{stem}.md", markdown(results))

@@ -127,6 +127,14 @@ class VLLMServer:
         self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT, env=self.env,
                                         cwd=self.log.parent)
         handle.close()
+        try:
+            self._wait_until_up()
+        except BaseException:  # not up, or Ctrl-C meanwhile: no `with` body runs, so no __exit__ either
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_until_up(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -135,11 +143,10 @@ class VLLMServer:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
                     if reply.status == 200:
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(1.0)
-        self.__exit__(None, None, None)
         raise KvshareError(f"vllm serve did not answer within {self.startup_timeout:.0f} s; see {self.log}")
 
     def __exit__(self, *exc) -> None:
