@@ -30,6 +30,7 @@ sandbox protects the machine and the harness, not the score, from code written t
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import secrets
 import shutil
@@ -41,6 +42,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # Fresh uids for sandboxed programs when the harness is root: nobody else uses them, so a
 # program owns no file and RLIMIT_NPROC counts its processes alone.
@@ -172,11 +175,16 @@ def isolation() -> str:
     as a fresh uid (RLIMIT_NPROC holds, root's ``/proc/<pid>/environ`` is unreadable, writes
     only where everyone may write, every process of that uid killed afterwards); otherwise it
     runs as the harness's user (as root: no process cap, nothing hidden, writes anywhere)."""
-    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
-        return "processes"
-    probe = _run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", Limits(timeout=20), True)
-    return "namespaces" if probe.status == "failed" and "OSError" in probe.detail \
-        and "Network is unreachable" in probe.detail else "processes"
+    found = "processes"
+    if sys.platform.startswith("linux") and shutil.which("unshare") is not None:
+        probe = _run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", Limits(timeout=20), True)
+        if probe.status == "failed" and "OSError" in probe.detail and "Network is unreachable" in probe.detail:
+            found = "namespaces"
+    if found == "processes":  # said once a process, where it is chosen: the user may not want this
+        log.warning("kvshare: this machine cannot make the sandbox's namespaces (unshare); generated code runs "
+                    "as a plain child process with limits: it can reach the network and outlive its run "
+                    "(see kvshare.eval.sandbox.isolation)")
+    return found
 
 
 def _tail(handle, size: int) -> bytes:

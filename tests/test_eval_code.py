@@ -79,6 +79,21 @@ def test_isolation_is_detected_from_what_the_kernel_allows():
     assert isolation() == ("namespaces" if works else "processes")
 
 
+def test_running_without_namespaces_is_said(monkeypatch, caplog):
+    """Where no jail can be made, generated code still runs (with limits), but the user is told."""
+    import kvshare.eval.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    isolation.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert isolation() == "processes"
+        assert "cannot make the sandbox's namespaces" in caplog.text
+    finally:
+        monkeypatch.undo()
+        isolation.cache_clear()
+
+
 def test_sandbox_has_no_network():
     if not JAILED:
         pytest.skip("no namespaces here: the network is reachable (README)")
