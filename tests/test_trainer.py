@@ -126,6 +126,24 @@ def test_a_base_without_a_chat_template_is_one_line_error(tmp_path, tiny_llama, 
     assert_one_line_error(cli("train", path), "no chat template")
 
 
+def test_sharded_training_is_refused_before_it_starts(tmp_path, tiny_models, toy_data, cli, monkeypatch):
+    """FSDP (and DeepSpeed): the trainer saves and exports on the main process, which would hold
+    only its shard of the adapter; a clear error, not a crash or a partial checkpoint at the
+    first save (a read-only review, session 28)."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class Sharded(accelerate.Accelerator):
+        @property
+        def distributed_type(self):
+            return DistributedType.FSDP
+
+    monkeypatch.setattr(accelerate, "Accelerator", Sharded)
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2)
+    assert_one_line_error(cli("train", path), "FSDP is not supported by kvshare train", "gpu-ddp.yaml")
+    assert not (tmp_path / "run-lora" / "summary.json").exists()
+
+
 @pytest.mark.parametrize("targets", [["qproj"], ["q_proj", "qproj"]])
 def test_target_modules_the_base_lacks_are_refused_before_training(tmp_path, tiny_models, toy_data, cli, targets):
     path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2)

@@ -168,6 +168,17 @@ def resume_point(recipe: Recipe, run_dir: Path, *, force: bool = False, warn: bo
     return folder
 
 
+# sharded training: checkpoints, the weights digest and the export run on the main process over
+# its own parameters, which under these are a shard of the adapter (a crash, a hang or a partial
+# checkpoint at the first save); LoRA weights are small, so DDP (every rank a full copy) fits
+_UNSUPPORTED_DISTRIBUTION = {
+    "FSDP": "the trainer saves and exports on the main process, which holds only its shard of the adapter; "
+            "use DDP (recipes/accelerate/gpu-ddp.yaml): LoRA weights are small, so a full copy per GPU fits",
+    "DEEPSPEED": "the trainer saves and exports on the main process (ZeRO shards the adapter); use DDP "
+                 "(recipes/accelerate/gpu-ddp.yaml)",
+}
+
+
 def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
           force_resume: bool = False, stop_after: int | None = None) -> dict:
     """Run a recipe to the end (or to ``stop_after`` steps); return the run summary.
@@ -193,6 +204,9 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
             raise KvshareError(f"train.report_to: {tracker} is not installed (pip install 'kvshare[tracking]')")
     accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(),
                         log_with=list(recipe.train.report_to) or None, project_dir=str(run_dir / "logs"))
+    if accel.distributed_type.value in _UNSUPPORTED_DISTRIBUTION:
+        raise KvshareError(f"accelerate's {accel.distributed_type.value} is not supported by kvshare train: "
+                           f"{_UNSUPPORTED_DISTRIBUTION[accel.distributed_type.value]}")
     main = accel.is_main_process
     resume = resume or force_resume
     resume_from = resume_point(recipe, run_dir, force=force_resume, warn=main) if resume else None
