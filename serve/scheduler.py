@@ -163,7 +163,8 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.perf_counter()
-            seq.num_cached_prompt = max(seq.num_cached_prompt, min(seq.num_computed, len(seq.prompt)))
+            if not seq.preemptions:  # admitted again after preemption, its "hits" are its own recomputed blocks
+                seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt))
             step = self._fit(seq, budget, alone=not plan)
             if len(seq) > seq.num_computed and step.n_compute == 0:
                 break

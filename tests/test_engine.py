@@ -188,7 +188,11 @@ def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
     expected = [roomy.generate([p], GREEDY, adapter=a)[0].token_ids for p, a in requests]
     tight = LLM(base, list(adapters.values()), kv_cache_tokens=4 * 60, block_size=4)
     assert run_together(tight.engine, requests) == expected
-    assert tight.engine.stats()["preemptions"] > 0
+    stats = tight.engine.stats()
+    assert stats["preemptions"] > 0
+    # each prompt looked up once, and a preempted request's recomputed blocks are not cache hits
+    assert stats["prefix_queried_tokens"] == sum(len(p) for p, _ in requests)
+    assert stats["prefix_hit_tokens"] == 0  # three different prompts, nothing cached before
 
 
 def test_an_older_sequence_never_gives_way_to_a_younger_one(base, tokenizer):

@@ -251,6 +251,8 @@ class BlockManager:
         if seq.waiting_on_loads_since is not None:
             seq.load_wait_s += time.perf_counter() - seq.waiting_on_loads_since
             seq.waiting_on_loads_since = None
+        if seq.preemptions:  # admitted again: its prompt was counted once, and its hits now are its own
+            return
         self.stats.queried_tokens += len(seq.prompt)
         self.stats.hit_tokens += min(seq.num_computed, len(seq.prompt))
         self.stats.host_hit_tokens += min(seq.loaded_blocks * self.block_size, len(seq.prompt))
