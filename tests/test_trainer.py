@@ -89,6 +89,20 @@ def test_a_finished_run_whose_checkpoints_were_deleted_is_not_overwritten(tmp_pa
     assert (run / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_run_killed_while_exporting_resumes_with_its_final_loss(tmp_path, tiny_models, toy_data, cli):
+    """Resumed at its last step (killed after the last checkpoint, while exporting), a run trains
+    no more and logs no window: its summary keeps the final loss logged before, not NaN."""
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=4, log_every=2, save_every=2)
+    assert cli("train", path).code == 0
+    run = tmp_path / "run-lora"
+    final = json.loads((run / "summary.json").read_text())["final_loss"]
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "adapter")
+    result = cli("train", path, "--resume")
+    assert result.code == 0, result.err
+    assert json.loads((run / "summary.json").read_text())["final_loss"] == final
+
+
 def test_a_run_killed_in_its_first_save_may_start_over(tmp_path, tiny_models, toy_data, cli):
     path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=2, save_every=2)
     staging = tmp_path / "run-lora" / "checkpoints" / ".step-2.tmp"

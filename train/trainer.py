@@ -179,6 +179,20 @@ _UNSUPPORTED_DISTRIBUTION = {
 }
 
 
+def _last_logged_loss(metrics_path: Path) -> float:
+    """The loss of the last training record in ``metrics.jsonl`` (NaN if none)."""
+    loss = float("nan")
+    if metrics_path.is_file():
+        for line in metrics_path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)):
+                loss = float(record["loss"])
+    return loss
+
+
 def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
           force_resume: bool = False, stop_after: int | None = None) -> dict:
     """Run a recipe to the end (or to ``stop_after`` steps); return the run summary.
@@ -271,7 +285,9 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
                file=sys.stderr, dynamic_ncols=True)
     window: list[float] = []
     last_eval = None
-    last_loss = float("nan")  # mean loss of the last logged window: the run's final loss
+    # mean loss of the last logged window: the run's final loss (a run resumed at its last step,
+    # killed while exporting, logs no window: its final loss is the one logged before)
+    last_loss = _last_logged_loss(metrics_path) if main and resume_from is not None else float("nan")
     started = time.perf_counter() - state["seconds"]
     window_start, window_tokens = time.perf_counter(), 0
     model.train()
