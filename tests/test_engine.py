@@ -195,6 +195,54 @@ def test_preemption_does_not_change_outputs(base, adapters, tokenizer):
     assert stats["prefix_hit_tokens"] == 0  # three different prompts, nothing cached before
 
 
+def test_preemption_keeps_alora_offsets_seeded_samples_and_prompt_logprobs(base, adapters, tokenizer, invocation):
+    """Recompute after preemption for what the first preemption test leaves out: an aLoRA request
+    (its KV owner changes at the invocation, inside the prompt), a seeded sampled request (its
+    generator must not draw again for recomputed tokens) and prompt logprobs (scored once)."""
+    prompts = [p * 2 for p in prompts_for(tokenizer, 3)]
+    requests = [(prompts[0] + invocation, "alora-a", SamplingParams(max_tokens=NEW, ignore_eos=True)),
+                (prompts[1], "lora-a", SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.9, seed=5)),
+                (prompts[2], None, SamplingParams(max_tokens=NEW, ignore_eos=True, prompt_logprobs=1))]
+
+    def run(llm):
+        ids = [llm.engine.add_request(p, params, adapter=a) for p, a, params in requests]
+        done = {}
+        while llm.engine.has_unfinished():
+            done.update({o.request_id: o for o in llm.engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    roomy = run(LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4))
+    tight_llm = LLM(base, list(adapters.values()), kv_cache_tokens=4 * 60, block_size=4)
+    tight = run(tight_llm)
+    assert tight_llm.engine.stats()["preemptions"] > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    scored = [(e or {}).get("logprob") for e in tight[2].prompt_logprobs]
+    assert scored == pytest.approx([(e or {}).get("logprob") for e in roomy[2].prompt_logprobs], abs=1e-5)
+
+
+def test_aborting_preempted_and_waiting_requests_frees_their_blocks_once(base, tokenizer):
+    """Aborts of a request in every state: running, preempted (back in the queue, its blocks
+    freed then), and waiting (never admitted): no block stays in use, none is freed twice
+    (the pool's counts stay whole), and the engine serves on."""
+    prompts = [p * 2 for p in prompts_for(tokenizer, 3)]
+    llm = LLM(base, kv_cache_tokens=4 * 60, block_size=4)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while not engine.stats()["preemptions"]:
+        engine.step()
+    waiting = [s.request_id for s in engine._scheduler.waiting]
+    assert waiting  # the preempted one is back in the queue
+    late = engine.add_request(prompts[0], params)  # waiting behind it, never admitted yet
+    for request_id in [*ids, late]:
+        assert engine.abort(request_id)
+    stats, usage = engine.stats(), engine.kv_usage()["kv"]
+    assert stats["blocks_in_use"] == 0 and not engine.has_unfinished(), stats
+    assert engine._blocks.num_free == usage["blocks_total"], usage  # free or cached-idle: none lost or doubled
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
 def test_an_older_sequence_never_gives_way_to_a_younger_one(base, tokenizer):
     """Three prompts of three blocks fill a pool of nine. At the fourth block the oldest makes
     room by preempting the newest; at the fifth the middle one is short, and the only other
