@@ -123,8 +123,10 @@ def export_adapter(
     return out
 
 
-def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) -> dict:
+def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None, check_files: bool = True) -> dict:
     """Check an exported adapter folder; with ``base``, also that it belongs to that base.
+    ``check_files=False`` leaves the files' digests to a caller that checks the bytes it
+    loads (:meth:`kvshare.serve.adapters.AdapterSet.load`), instead of reading them twice.
 
     Returns the manifest. Raises KvshareError on the first problem.
     """
@@ -133,7 +135,8 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None) 
         raise KvshareError(f"{adapter_dir}: no such adapter folder")
     data = manifest.read(adapter_dir)
     ckpt = read_peft_checkpoint(adapter_dir)  # first: a missing or pickled file gets its own message
-    manifest.check_files(data, adapter_dir)
+    if check_files:
+        manifest.check_files(data, adapter_dir)
     modules = lora_modules(ckpt)
     kind = parse_kind(data["kind"])
     leaves = target_leaves(ckpt, modules)

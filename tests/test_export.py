@@ -326,8 +326,8 @@ def test_the_engine_checks_and_digests_the_weights_it_loaded(cli, checkpoints, b
     weights = load_file(out / "adapter_model.safetensors")
     verify = serving.verify_adapter_dir
 
-    def verified_then_swapped(folder, base=None):
-        data = verify(folder, base=base)
+    def verified_then_swapped(folder, **settings):
+        data = verify(folder, **settings)
         save_file({k: v + 1 for k, v in weights.items()}, out / "adapter_model.safetensors")
         return data
 
