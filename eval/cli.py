@@ -10,29 +10,35 @@ from ..errors import KvshareError
 from ..serve.config import DEFAULT_COMPILE_MAX_ROWS, EngineConfig
 
 
+def _given(args: argparse.Namespace, names: tuple[str, ...]):
+    """(flag, value) of every value given for ``names`` (a list flag gives each of its values)."""
+    for name in names:
+        value = getattr(args, name, None)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None:
+                yield f"--{name.replace('_', '-')}", v
+
+
 def _at_least(args: argparse.Namespace, minimum: float, *names: str) -> None:
     """A one-line error, before any work, for a number a command cannot take: 0 or less would
     read "all" (a limit), divide by zero (agents, rates) or run nothing (a batch)."""
-    for name in names:
-        value = getattr(args, name, None)
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if v is not None and v < minimum:
-                raise KvshareError(f"--{name.replace('_', '-')} must be at least {minimum:g}, not {v:g}")
+    for flag, v in _given(args, names):
+        if v < minimum:
+            raise KvshareError(f"{flag} must be at least {minimum:g}, not {v:g}")
 
 
 def _above_zero(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name, None)
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if v is not None and not v > 0:
-                raise KvshareError(f"--{name.replace('_', '-')} must be more than 0, not {v:g}")
+    for flag, v in _given(args, names):
+        if not v > 0:  # NaN too
+            raise KvshareError(f"{flag} must be > 0, not {v:g}")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     _at_least(args, 1, "limit", "batch", "max_tokens", "samples")  # 0 would read "all" or nothing
     _at_least(args, 0, "shots")
-    if args.adapter and not Path(args.adapter).is_dir():  # now, not after the data and the model load
-        raise KvshareError(f"{args.adapter}: no such adapter folder")
+    from .harness import require_adapter_dir
+
+    require_adapter_dir(args.adapter)  # now, not after the data and the model load
     if args.task == "gsm8k":
         from .gsm8k import evaluate_gsm8k
 
@@ -128,9 +134,7 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
 
 def _check_workload(args: argparse.Namespace) -> None:
     """One-line errors, before any work, for a workload the benchmark cannot run."""
-    for name in ("agents", "qps"):
-        if min(getattr(args, name)) <= 0:
-            raise KvshareError(f"--{name} must be > 0")
+    _above_zero(args, "agents", "qps")
     _at_least(args, 1, "workflows", "turns", "context_tokens", "max_tokens", "kv_cache_tokens")
 
 

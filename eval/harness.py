@@ -73,11 +73,17 @@ def mean_ci95(values: list[float]) -> dict:
     return {"mean": mean, "stderr": stderr, "ci95": ci95, "n": n}
 
 
+def require_adapter_dir(adapter: str | None) -> None:
+    """An evaluated adapter is an exported folder (a fresh engine knows none by name): a
+    clear error before the model loads."""
+    if adapter and not Path(adapter).is_dir():
+        raise KvshareError(f"{adapter}: no such adapter folder")
+
+
 def load_llm(model: str, adapter: str | None, dtype: str = "float32",
              kv_cache_tokens: int = 32768) -> tuple[LLM, str | None]:
     """An engine with the adapter (folder) loaded; returns it and the adapter's name."""
-    if adapter and not Path(adapter).is_dir():  # a fresh engine knows no adapter by name
-        raise KvshareError(f"{adapter}: no such adapter folder")  # before loading the model, not after
+    require_adapter_dir(adapter)
     llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype)
     name = llm.engine.load_adapter(adapter) if adapter else None
     return llm, name

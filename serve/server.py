@@ -323,6 +323,13 @@ def _stop_prefix(text: str, stops: list[str]) -> int:
     return longest
 
 
+def check_in_vocabulary(ids: list[int], vocab_size: int, param: str) -> None:
+    """A 400 naming the first token id outside the vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+
+
 def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> None:
     """Refuse (400) what would cost more than one request's share: long or many stop strings,
     large or deep ``kvshare_hints``, more logprobs than ``max_logprobs``, a top_k beyond the
@@ -341,9 +348,7 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
     if len(stop_ids) > limits.max_stop_sequences:
         raise ApiError(400, f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_sequences} are "
                        "allowed", param="stop_token_ids")
-    if any(not 0 <= i < vocab_size for i in stop_ids):
-        raise ApiError(400, f"stop_token_ids must be token ids of the vocabulary (0 to {vocab_size - 1})",
-                       param="stop_token_ids")
+    check_in_vocabulary(stop_ids, vocab_size, "stop_token_ids")
     for name in ("logprobs", "top_logprobs"):
         value = getattr(req, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
@@ -743,10 +748,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         engine, _ = tokenizing_engine(req.model)
-        vocab = engine.runner.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="tokens")
+        check_in_vocabulary(req.tokens, engine.runner.vocab_size, "tokens")
         return {"prompt": await off_loop(engine.tokenizer.decode, req.tokens)}
 
     def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
