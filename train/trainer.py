@@ -31,7 +31,7 @@ from .collate import IGNORE, collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
 from .evaluation import evaluate_adapter
 from .icarus import enable_icarus_attention, icarus_forward
-from .metrics import truncate_metrics
+from .metrics import read_metrics, truncate_metrics
 from .recipe import Recipe, flatten, recipe_drift
 from .rng import save_rng
 from .teardown import leave_process_group
@@ -181,16 +181,8 @@ _UNSUPPORTED_DISTRIBUTION = {
 
 def _last_logged_loss(metrics_path: Path) -> float:
     """The loss of the last training record in ``metrics.jsonl`` (NaN if none)."""
-    loss = float("nan")
-    if metrics_path.is_file():
-        for line in metrics_path.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)):
-                loss = float(record["loss"])
-    return loss
+    losses = [r["loss"] for r in read_metrics(metrics_path) if "loss" in r] if metrics_path.is_file() else []
+    return float(losses[-1]) if losses else float("nan")
 
 
 def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
