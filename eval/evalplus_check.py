@@ -1,49 +1,69 @@
-"""Child process of the HumanEval+ evaluation: EvalPlus's checker over a file of solutions.
+"""Child processes of the HumanEval+ evaluation, each run by :mod:`kvshare.eval.code` in the
+sandbox's jail, so that no dataset or generated code runs in the harness's process.
 
-Run by :func:`kvshare.eval.code.run_evalplus` as ``python -m kvshare.eval.evalplus_check
-REQUESTS.jsonl RESULTS.jsonl`` with ``HUMANEVAL_OVERRIDE_PATH`` set, so that no generated code
-runs in the harness's process. Expected outputs come from EvalPlus's ``get_groundtruth``
-(the canonical solutions, run here); its pickle cache is pointed at a fresh temporary folder,
-so nothing persisted is ever unpickled. Each solution is judged by EvalPlus's
-``check_correctness``, which runs it in a further process under EvalPlus's time limits
-(4x the canonical solution's time, at least 1 s per input) and memory limit. Results are
-appended line by line, so an interrupted check keeps what it finished.
+- ``python -m kvshare.eval.evalplus_check expected TASKS.json`` (with
+  ``HUMANEVAL_OVERRIDE_PATH`` set) runs the canonical solutions through EvalPlus's
+  ``get_groundtruth`` (its pickle cache pointed at a fresh folder, 250 MB for all 164 tasks) and writes, for
+  the i-th task of TASKS.json, ``task-i.pkl``: what judging a solution needs (inputs, entry
+  point, tolerance, expected outputs and times).
+- ``python -m kvshare.eval.evalplus_check check TASK.pkl SOLUTION.py VERDICT.json`` judges one
+  solution as EvalPlus's ``check_correctness`` does (``untrusted_check`` on the base inputs,
+  then on the plus inputs, fast check: 4x the canonical solution's time, at least 1 s per
+  input, EvalPlus's memory limit), in a further process, and writes the two statuses.
+
+One check jail per solution: a solution can touch nothing of another's run or verdict, and the
+harness writes the verdict lines itself. Expected outputs travel as pickle because they are
+Python values (tuples, sets, floats) that JSON would change; a pickle is written by the jail
+that ran only canonical solutions and read only inside check jails: the harness copies its
+bytes and never unpickles them.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+
+
+def write_expected(tasks_path: str) -> int:
+    import evalplus.evaluate as evalplus_evaluate
+    from evalplus.data import get_human_eval_plus
+
+    task_ids = json.load(open(tasks_path, encoding="utf-8"))
+    problems = get_human_eval_plus()
+    needed = {task_id: problems[task_id] for task_id in task_ids}
+    with tempfile.TemporaryDirectory(prefix="cache-", dir=".") as cache:  # not /tmp: a small tmpfs in the jail
+        evalplus_evaluate.CACHE_DIR = cache
+        expected = evalplus_evaluate.get_groundtruth(needed, "kvshare", [])
+    for index, task_id in enumerate(task_ids):
+        problem = needed[task_id]
+        task = {key: problem[key] for key in ("task_id", "entry_point", "atol", "base_input", "plus_input")}
+        with open(f"task-{index}.pkl", "wb") as handle:
+            pickle.dump({**task, "expected": expected[task_id]}, handle)
+    return 0
+
+
+def check(task_path: str, solution_path: str, verdict_path: str) -> int:
+    from evalplus.eval import untrusted_check
+
+    with open(task_path, "rb") as handle:
+        task = pickle.load(handle)
+    solution = open(solution_path, encoding="utf-8").read()
+    statuses = {}
+    for part in ("base", "plus"):
+        status, _ = untrusted_check("humaneval", solution, task[f"{part}_input"], task["entry_point"],
+                                    expected=task["expected"][part], atol=task["atol"],
+                                    ref_time=task["expected"][f"{part}_time"], fast_check=True)
+        statuses[f"{part}_status"] = status
+    with open(verdict_path, "w", encoding="utf-8") as handle:
+        json.dump(statuses, handle)
+    return 0
 
 
 def main(argv: list[str]) -> int:
-    requests_path, results_path = argv
-    import evalplus.evaluate as evalplus_evaluate
-    from evalplus.data import get_human_eval_plus
-    from tqdm import tqdm
-
-    requests = [json.loads(line) for line in open(requests_path, encoding="utf-8") if line.strip()]
-    problems = get_human_eval_plus()
-    needed = {r["task_id"]: problems[r["task_id"]] for r in requests}
-    with tempfile.TemporaryDirectory(prefix="kvshare-evalplus-") as cache:
-        evalplus_evaluate.CACHE_DIR = cache
-        expected = evalplus_evaluate.get_groundtruth(needed, "kvshare", [])
-
-    def check(index_request):
-        index, request = index_request
-        result = evalplus_evaluate.check_correctness(
-            "humaneval", index, needed[request["task_id"]], request["solution"], expected[request["task_id"]],
-            fast_check=True, identifier=request["id"])
-        return {"id": request["id"], "task_id": request["task_id"], "digest": request["digest"],
-                "base_status": result["base"][0], "plus_status": result["plus"][0]}
-
-    with open(results_path, "a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=2) as pool:
-        for verdict in tqdm(pool.map(check, enumerate(requests)), total=len(requests), desc="evalplus"):
-            out.write(json.dumps(verdict) + "\n")
-            out.flush()
-    return 0
+    command, *args = argv
+    return {"expected": write_expected, "check": check}[command](*args)
 
 
 if __name__ == "__main__":

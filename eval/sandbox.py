@@ -12,7 +12,8 @@ Where Linux namespaces can be made (probed once, :func:`isolation`), the program
 ``unshare`` in new network, PID, mount, IPC and UTS namespaces (plus a user namespace when
 the harness is not root): no network but a downed loopback, a fresh ``/proc`` that shows only
 the sandbox's own processes, every mount read-only except the program's folder and empty
-tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run``, and all its descendants killed
+tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run``, users' homes behind empty tmpfs
+(the interpreter's own folders bound back, where they lie there), and all its descendants killed
 by the kernel when it ends (leaving the process group with ``os.setsid`` does not help).
 As root the program also runs as a fresh uid that owns nothing, which is what makes
 ``RLIMIT_NPROC`` bite (root is exempt from it) and lets us kill every process of that uid.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -71,10 +73,13 @@ JAIL = (
     "needed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)\n"
     "                 if p and os.path.exists(p)})\n"
     "needed = [p for p in needed if not any(p.startswith(q + '/') for q in needed)]\n"
-    "behind = {}\n"
+    "def hidden(path):\n"  # a folder over which an empty tmpfs goes: a home, or one others may not enter
+    "    tops = [top for top in HIDE if path == top or path.startswith(top + '/')]\n"
+    "    return tops[0] if tops else closed(path)\n"
+    "behind = {top: [] for top in HIDE}\n"
     "for path in needed:\n"  # e.g. an interpreter under /root: re-shown alone over an empty tmpfs
-    "    if closed(path):\n"
-    "        behind.setdefault(closed(path), []).append((path, os.open(path, os.O_PATH)))\n"
+    "    if hidden(path):\n"
+    "        behind.setdefault(hidden(path), []).append((path, os.open(path, os.O_PATH)))\n"
     "for top, paths in behind.items():\n"
     "    check(libc.mount(b'tmpfs', top.encode(), b'tmpfs', ctypes.c_ulong(2 | 4), b'size=1m,mode=0755'), 'mount ' + top)\n"
     "    for path, fd in paths:\n"
@@ -112,24 +117,31 @@ JAIL = (
     "check(libc.prctl(1, 9, 0, 0, 0), 'pdeathsig')\n"  # dies with unshare (a uid change cleared it)
 )
 
-# Runs in the fresh interpreter: limits first (set by the child on itself, since a
-# preexec_fn is unsafe in a threaded parent such as one running torch), then the guard.
-BOOTSTRAP = (
+# Resource limits a jailed interpreter puts on itself (a preexec_fn is unsafe in a threaded
+# parent such as one running torch); -1 leaves that limit as it is.
+SET_LIMITS = (
     "import resource, sys\n"
-    "path, memory, cpu, fsize, nofile, nproc, shared = sys.argv[1], *map(int, sys.argv[2:])\n"
-    "if shared:\n"  # RLIMIT_NPROC counts all of this uid's tasks: leave room for those already there
-    "    import os\n"
-    "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-    "        try:\n"
-    "            status = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status') if ':' in line)\n"
-    "        except OSError:\n"
-    "            continue\n"
-    "        if int(status['Uid'].split()[0]) == os.getuid():\n"
-    "            nproc += int(status['Threads'])\n"
-    "for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),\n"
-    "                     (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile),\n"
-    "                     (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):\n"
-    "    resource.setrlimit(limit, (value, value))\n"
+    "def set_limits(memory, cpu, fsize, nofile, nproc, shared):\n"
+    "    if shared:\n"  # RLIMIT_NPROC counts all of this uid's tasks: leave room for those already there
+    "        import os\n"
+    "        for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "            try:\n"
+    "                status = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status') if ':' in line)\n"
+    "            except OSError:\n"
+    "                continue\n"
+    "            if int(status['Uid'].split()[0]) == os.getuid():\n"
+    "                nproc += int(status['Threads'])\n"
+    "    for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu),\n"
+    "                         (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile),\n"
+    "                         (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):\n"
+    "        if value >= 0:\n"
+    "            resource.setrlimit(limit, (value, value))\n"
+)
+
+# Runs in the fresh interpreter: limits first, then the guard, then the program.
+BOOTSTRAP = SET_LIMITS + (
+    "path = sys.argv[1]\n"
+    "set_limits(*map(int, sys.argv[2:]))\n"
     "marker = sys.stdin.readline().strip().encode()\n"
     "sys.stdin.close()\n"
     "source = open(path).read()\n"
@@ -216,23 +228,27 @@ def run_program(source: str, limits: Limits | None = None) -> Outcome:
     return _run(source, limits or Limits(), isolation() == "namespaces")
 
 
-def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str, str], timeout: float) -> int | None:
+def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str, str], limits: Limits) -> int | None:
     """Run ``python -m module *args`` in the jail of :func:`run_program` (where namespaces
     exist; else as a plain child): ``folder`` (its working folder) is the one place it may
     write, no network, as root a fresh uid, every descendant killed when it ends. Returns the
-    exit status, or None when it ran over ``timeout`` seconds. For a trusted program that runs
-    untrusted code with its own limits (EvalPlus's checker); the rlimits of
-    :func:`run_program` are not set, since the program sets its own per child."""
+    exit status, or None when it ran over ``limits.timeout`` seconds. For a trusted program
+    that runs untrusted code (EvalPlus's checker): the limits of :func:`run_program` hold for
+    it and its children, but for the address space, which the program sets per child."""
     jail = isolation() == "namespaces"
     uid = _fresh_uid() if jail and os.geteuid() == 0 else -1
     if uid >= 0:
         for path in (folder, *Path(folder).rglob("*")):
             os.chown(path, uid, uid)
-    start = f"import runpy, sys\nsys.argv = {[module, *args]!r}\nrunpy.run_module({module!r}, run_name='__main__')\n"
-    prefix = [*unshare_argv(), sys.executable, "-I", "-c", jail_prelude(uid, 64 * 1024 * 1024) + start] if jail \
+    mb = 1024 * 1024
+    numbers = [-1, int(limits.timeout) + 1, limits.file_mb * mb, limits.open_files, limits.processes,
+               int(not jail and os.geteuid() != 0)]
+    start = (SET_LIMITS + f"set_limits(*{numbers!r})\nimport runpy\nsys.argv = {[module, *args]!r}\n"
+             f"runpy.run_module({module!r}, run_name='__main__')\n")
+    prefix = [*unshare_argv(), sys.executable, "-I", "-c", jail_prelude(uid, limits.file_mb * mb) + start] if jail \
         else [sys.executable, "-I", "-c", start]
     proc = subprocess.Popen(prefix, cwd=folder, env={**env, "HOME": str(folder)}, start_new_session=True)
-    return _wait_then_kill_all(proc, timeout, uid)
+    return _wait_then_kill_all(proc, limits.timeout, uid)
 
 
 def _fresh_uid() -> int:
@@ -258,7 +274,17 @@ def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int) -> int
 
 def jail_prelude(uid: int, scratch_bytes: int) -> str:
     """Python that turns a process started by :func:`unshare_argv` into a jailed one."""
-    return f"SCRATCH = {SCRATCH!r}\nJAIL_UID = {uid}\nJAIL_SCRATCH = {scratch_bytes}\n" + JAIL
+    return (f"SCRATCH = {SCRATCH!r}\nHIDE = {homes()!r}\nJAIL_UID = {uid}\nJAIL_SCRATCH = {scratch_bytes}\n"
+            + JAIL)
+
+
+def homes() -> tuple[str, ...]:
+    """The folders that hold users' files (``~/.cache/huggingface/token``, SSH keys): the jail
+    covers them with an empty tmpfs (binding back only what the interpreter needs), since a
+    jailed program that is not root of the machine runs with the harness's read access."""
+    candidates = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir, "/root", "/home"}
+    found = {os.path.realpath(path) for path in candidates if path and os.path.isdir(path)} - {"/"}
+    return tuple(sorted(path for path in found if not any(path.startswith(other + "/") for other in found)))
 
 
 def kill_uid(uid: int) -> None:

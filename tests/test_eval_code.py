@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -262,6 +264,76 @@ def test_evalplus_programs_cannot_write_outside_their_folder(tmp_path):
     out.mkdir()
     assert run_evalplus([sample], out)[sample["id"]]["plus_status"] == "pass"
     assert canary.read_text() == "untouched"
+
+
+def test_each_evalplus_solution_is_judged_in_a_jail_of_its_own(tmp_path):
+    """A wrong solution that forges passing verdicts wherever it can reach (its own verdict
+    file, other solutions' folders, a shared log) fails, and so do the others; a right one
+    that breaks its checker (a folder where the verdict goes) fails too."""
+    problems = load_problems("humanevalplus")[:2]
+    broken = [{"id": f"{p['task_id']}#{j}", "task_id": p["task_id"],
+               "solution": p["prompt"] + "    return None\n"} for j in range(3) for p in problems]
+    problem = problems[0]
+    forge = ("import glob, io, json, os, tempfile\n"
+             "forged = json.dumps({'base_status': 'pass', 'plus_status': 'pass'})\n"
+             "for root in {tempfile.gettempdir(), '/tmp', os.path.dirname(os.environ.get('HOME', '/'))}:\n"
+             "    for path in glob.glob(os.path.join(root, '**'), recursive=True):\n"
+             "        try:\n"
+             "            if os.path.isdir(path):\n"
+             "                io.open(os.path.join(path, 'verdict.json'), 'w').write(forged)\n"
+             "            elif path.endswith('.jsonl'):\n"  # a shared log of verdicts, were there one
+             "                ids = [json.loads(line)['id'] for line in io.open(path) if '\"id\"' in line]\n"
+             "                io.open(path, 'a').write(''.join(json.dumps({'id': i, 'base_status': 'pass', "
+             "'plus_status': 'pass', 'digest': ''}) + '\\n' for i in ids))\n"
+             "        except Exception:\n"
+             "            pass\n")
+    forger = {"id": f"{problem['task_id']}#8", "task_id": problem["task_id"],
+              "solution": problem["prompt"] + "    return None\n" + forge}
+    saboteur = {"id": f"{problem['task_id']}#9", "task_id": problem["task_id"],
+                "solution": problem["prompt"] + problem["canonical_solution"] +
+                "import os\nos.mkdir(os.path.join(os.environ['HOME'], 'verdict.json'))\n"}
+    samples = [broken[0], forger, saboteur, *broken[1:]]
+    verdicts = run_evalplus(samples, tmp_path)
+    assert {s["id"]: verdicts[s["id"]]["plus_status"] for s in samples} == {s["id"]: "fail" for s in samples}
+
+
+def test_a_full_size_evalplus_run_fits_its_jail(tmp_path):
+    """Twenty problems' expected outputs (EvalPlus's cache pickle of them is over 64 MB): the
+    run used to die of "no space left" in the jail's /tmp."""
+    problems = load_problems("humanevalplus")[:20]
+    samples = [{"id": f"{p['task_id']}#0", "task_id": p["task_id"], "solution": p["prompt"] + p["canonical_solution"]}
+               for p in problems]
+    verdicts = run_evalplus(samples, tmp_path)
+    assert all(verdicts[s["id"]]["base_status"] == verdicts[s["id"]]["plus_status"] == "pass" for s in samples)
+
+
+@pytest.mark.parametrize("raw,statuses", [
+    (b'{"base_status": "pass", "plus_status": "fail"}', ("pass", "fail")),
+    (b'{"base_status": "pass", "plus_status": "passed"}', None),
+    (b'{"base_status": "pass"}', None),
+    (b'["pass", "pass"]', None),
+    (b"\xff", None),
+    (None, None),
+])
+def test_only_well_formed_verdict_files_are_read(raw, statuses):
+    from kvshare.eval.code import _statuses
+    assert _statuses(raw) == statuses
+
+
+def test_programs_cannot_read_users_homes(monkeypatch):
+    """A file others may read, in the harness's home: the jail covers homes with an empty tmpfs."""
+    if not JAILED:
+        pytest.skip("no namespaces on this machine: the program reads what the harness's user may")
+    home = Path(__file__).resolve().parent / f".home-{secrets.token_hex(4)}"
+    home.mkdir(mode=0o755)
+    try:
+        (home / "token").write_text("s3cr3t")
+        (home / "token").chmod(0o644)
+        monkeypatch.setenv("HOME", str(home))
+        outcome = run_program(f"import os\nassert not os.path.exists({str(home / 'token')!r})\n", Limits(timeout=10))
+        assert outcome.status == "passed", outcome.detail
+    finally:
+        shutil.rmtree(home)
 
 
 def test_mbpp_is_the_test_split_and_reference_code_passes():
