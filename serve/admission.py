@@ -65,11 +65,17 @@ class WorkflowAdmission:
         if workflow is not None:
             workflow.in_flight += 1
 
-    def allows(self, seq: Sequence) -> bool:
-        """Whether ``seq`` may be admitted now (admitting its workflow if it is not yet)."""
+    def allows(self, seq: Sequence, behind_held: bool = False) -> bool:
+        """Whether ``seq`` may be admitted now (admitting its workflow if it is not yet).
+        ``behind_held``: a call of another new workflow, ahead in the queue, was held this
+        step; new workflows are admitted first come, first served, so this one waits too
+        (else a stream of small workflows could keep a large one out for ever)."""
         workflow = self._state(seq)
         if workflow is None or workflow.admitted:
             return True
+        if behind_held:
+            self.held += 1
+            return False
         self._forget_ended()
         admitted = [w for w in self.workflows.values() if w.admitted]
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)

@@ -2,13 +2,15 @@
 
 Every step walks the running sequences oldest first and gives each the tokens it still
 needs (one for a decoding sequence, a chunk of its prompt for a prefilling one) until the
-step's token budget is spent, then admits waiting sequences in arrival order (a sequence whose prefix is still loading
-back from the host tier is skipped, not waited for). When the KV
+step's token budget is spent (one whose rows do not fit what is left lets the younger ones
+have it), then admits waiting sequences in arrival order (a sequence whose prefix is still
+loading back from the host tier, or being computed for a request just admitted, is skipped,
+not waited for). When the KV
 pool cannot hold a sequence's next token, the newest running sequence is preempted: its
 blocks are released and it waits at the front of the queue to be recomputed, so no one
 starves and outputs are unchanged. With workflow admission (:mod:`.admission`) a call of a
 workflow not yet running waits while the running workflows' contexts fill the pool, and the
-calls behind it may go first.
+calls of running workflows behind it may go first (new workflows keep their order).
 
 The scheduler owns the sequence lifecycle, as in nano-vllm: admission, chunking and
 preemption here, and after the model ran, :meth:`Scheduler.postprocess` advances computed
@@ -74,8 +76,11 @@ class Scheduler:
             whole = plan_step(seq, todo)  # a decode step, or the rest of the prompt
             if whole.num_rows <= budget or not todo:
                 return whole
-            extra = whole.num_rows - todo  # e.g. the ICaRus adapter row
-            n = max(0, min(todo, budget - extra))
+            # a chunk that stops short of the end samples nothing: no read-only row (e.g. ICaRus's
+            # adapter row); where it still has more rows than tokens, leave room for them
+            n = min(todo - 1, budget)
+            if plan_step(seq, n).num_rows > budget:
+                n = max(0, min(todo, budget - (whole.num_rows - todo)))
         else:
             fits = lambda k: plan_step(seq, k).num_rows <= budget  # noqa: E731
             lo, hi = 0, max(0, min(todo, budget))  # rows grow with the chunk: binary search
@@ -119,9 +124,21 @@ class Scheduler:
                 self.blocks.unpin(seq)
         return len(holders)
 
+    def _allocate(self, seq: Sequence) -> None:
+        """Admit ``seq``'s blocks. Short of blocks, it first takes back the blocks pinned for
+        the requests behind it that wait on host-tier loads: the first in line must not wait
+        on those behind it (with nothing running, nobody else would release them)."""
+        try:
+            self.blocks.allocate(seq)
+        except OutOfBlocks:
+            if not self.blocks.release_pins(keep=seq):
+                raise
+            self.blocks.allocate(seq)
+
     def schedule(self) -> list[StepPlan]:
         budget = self.max_batched_tokens
         plan: list[StepPlan] = []
+        stalled = False  # a running sequence found the pool short: no admission this step
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted while making room for an older sequence
@@ -129,7 +146,7 @@ class Scheduler:
                 break
             step = self._fit(seq, budget, alone=not plan)
             if len(seq) > seq.num_computed and step.n_compute == 0:
-                break
+                continue  # its rows do not fit what is left: younger running ones may (vLLM does the same)
             while True:
                 try:
                     self.blocks.ensure_capacity(seq, seq.num_computed + step.n_compute)
@@ -144,19 +161,26 @@ class Scheduler:
                         self._preempt(seq)
                         break
             if seq not in self.running:
-                return plan  # the pool is short for this one: admit nobody now
+                # the pool is short for this one: admit nobody now; the younger ones still
+                # planned run (where only ForkKV's residual pool was short, those not ForkKV)
+                stalled = True
+                continue
             plan.append(step)
             budget -= step.num_rows
-        for seq in list(self.waiting):
+        held_new = False  # a new workflow's call was held: later new workflows wait behind it
+        for seq in [] if stalled else list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
-            if self.admission is not None and not self.admission.allows(seq):
+            if self.admission is not None and not self.admission.allows(seq, behind_held=held_new):
+                held_new = True
                 continue  # a new workflow's call: the calls of workflows already admitted go first
             try:
-                self.blocks.allocate(seq)
+                self._allocate(seq)
             except PrefixLoading:
                 continue  # its prefix is coming back from the host tier: let the next one run
-            except (OutOfBlocks, PrefixPending):
+            except PrefixPending:
+                continue  # its prefix is being computed for a request just admitted: shared once it is
+            except OutOfBlocks:
                 break  # otherwise admit in order: nobody overtakes a request short of blocks
             self.waiting.remove(seq)
             self.running.append(seq)

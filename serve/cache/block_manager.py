@@ -327,9 +327,10 @@ class BlockManager:
             self._unref(block_id)
         seq.pinned = []
 
-    def release_pins(self) -> bool:
-        """Give every pinned block back (a running request needs room); False if none was."""
-        held = list(self.pinned_seqs.values())
+    def release_pins(self, keep: Sequence | None = None) -> bool:
+        """Give every pinned block back, but those of ``keep`` (a running request, or the first
+        in line, needs room); False if none was."""
+        held = [seq for seq in self.pinned_seqs.values() if seq is not keep]
         for seq in held:
             self.unpin(seq)
         return bool(held)
