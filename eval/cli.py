@@ -55,9 +55,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         if not args.spec:
             raise KvshareError("kvshare eval suite needs --spec SUITE.yaml")
-        given = [f"--{n}" for n in ("adapter", "limit") if getattr(args, n) is not None]
-        if given:  # the spec names the systems and limits: these would be ignored without a word
-            raise KvshareError(f"kvshare eval suite takes its models, adapters and limits from --spec, not {given[0]}")
+        given = [f"--{n.replace('_', '-')}" for n, default in args.spec_decides.items() if getattr(args, n) != default]
+        if given:  # the spec names these: they would be ignored without a word
+            raise KvshareError(f"kvshare eval suite takes its model, adapters, limits and generation settings "
+                               f"from --spec, not {given[0]}")
         report = run_suite(args.spec, args.out, overwrite=args.overwrite)
         print(report["quality_md"] + "\n" + report["orchestration_md"], end="")
         return 0
@@ -507,7 +508,9 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace samples logged in OUT under other settings (or by an older kvshare) "
                    "instead of refusing; every sample is generated again")
-    p.set_defaults(func=_cmd_eval)
+    spec_decides = ("model", "adapter", "limit", "shots", "prompt_format", "dataset", "samples", "temperature",
+                    "max_tokens", "dtype", "batch")  # a suite's spec says these
+    p.set_defaults(func=_cmd_eval, spec_decides={name: p.get_default(name) for name in spec_decides})
 
     p = sub.add_parser("lm-eval", help="run lm-eval with the kvshare model registered",
                        description="lm-eval's command line (all its options) with '--model kvshare' "

@@ -225,13 +225,23 @@ def as_logged_base(header: dict | None, settings: dict) -> dict:
 
 def _rejudged(path: Path, header: dict | None, records: dict[str, dict], settings: dict,
               task: EvalTask | None) -> dict[str, dict]:
-    if task is None or header is None or header.get("scoring", 1) == task.scoring \
-            or header.get("settings_hash") != settings_hash(settings):
-        return records  # current (or refused below)
+    """``records`` with the samples of this run that were judged under another scoring rule
+    judged again (the log rewritten). A sample this run does not take (a smaller limit) keeps
+    its verdict and says under which rule (``"scoring"``), so a later run judges it again."""
+    if task is None or header is None or header.get("settings_hash") != settings_hash(settings):
+        return records  # refused below
+    logged = header.get("scoring", 1)
+    stale = [sample_id for sample_id, record in records.items() if record.get("scoring", logged) != task.scoring]
+    if not stale:
+        return records
     items = {item["id"]: item for item in task.items}
-    for sample_id, record in records.items():
+    for sample_id in stale:
+        record = records[sample_id]
         if sample_id in items:
             record.update(task.judge(items[sample_id], record["output"]))
+            record.pop("scoring", None)  # the header's rule now
+        else:
+            record["scoring"] = record.get("scoring", logged)
     lines = [_header(settings, task.scoring), *records.values()]
     write_text_atomic(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
     return records
@@ -286,7 +296,8 @@ def score(task: EvalTask, samples: list[dict], out_dir: Path, model: str, adapte
     """Scores of one adapter's samples, written (atomically) as results.json and results.md;
     results.json carries the run's settings and their hash, as the samples log does."""
     results = {"task": task.name, "model": str(model), "adapter": adapter, **task.settings, **(extra or {}),
-               "settings_hash": settings_hash(settings), "settings": settings, **task.summarize(samples, out_dir)}
+               "scoring": task.scoring, "settings_hash": settings_hash(settings), "settings": settings,
+               **task.summarize(samples, out_dir)}
     write_text_atomic(out_dir / "results.json", json.dumps(results, indent=1))
     write_text_atomic(out_dir / "results.md", f"| {task.name} | {adapter or 'base'} | {task.row(results)} |\n")
     return results

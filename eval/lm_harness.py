@@ -68,10 +68,17 @@ class KvshareLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self._name.replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # the engine's own encoding of text prompts: no BOS added (the chat template adds
-        # what the model needs)
-        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """As lm-eval's HF model encodes: None = the tokenizer's default (a Llama tokenizer adds
+        BOS), but no second BOS where the text starts with one (a chat template's)."""
+        from lm_eval.models.utils import has_bos_prefix
+
+        special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        encoding = self.tokenizer.encode(string, **special)
+        return encoding[-left_truncate_len:] if left_truncate_len else encoding
 
     def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
         if add_generation_prompt:  # the layout the adapter was trained with (aLoRA: invocation)

@@ -182,6 +182,8 @@ def finished_runs(spec: SuiteSpec, out: Path,
             skipped.append(f"{label}: other settings ({settings_diff(results['settings'], wanted)})")
         elif results.get("limit") != limit:
             skipped.append(f"{label}: other settings (limit {results.get('limit')} -> {limit})")
+        elif results.get("scoring", 1) != tasks[task].scoring:
+            skipped.append(f"{label}: scored under rule {results.get('scoring', 1)}, now {tasks[task].scoring}")
         else:
             found[(row, task)] = results
     return found, skipped

@@ -27,6 +27,9 @@ from test_engine import base  # noqa: F401
     (["eval", "gsm8k", "--out", "o", "--shots", "-1"], "--shots must be at least 0"),
     (["eval", "gsm8k", "--out", "o", "--adapter", "no/such/adapter"], "no/such/adapter: no such adapter folder"),
     (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--limit", "3"], "from --spec, not --limit"),
+    (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--max-tokens", "64"], "from --spec, not --max-tokens"),
+    (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--dtype", "bfloat16"], "from --spec, not --dtype"),
+    (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--shots", "5"], "from --spec, not --shots"),
 ])
 def test_numbers_devices_and_paths_a_command_cannot_take(cli, argv, fragment, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing written, but "o" would land here

@@ -181,6 +181,46 @@ def test_samples_judged_by_an_older_rule_are_judged_again_on_resume(tmp_path):
     assert [r["output"] for r in rewritten[1:]] == [r["output"] for r in lines[1:]]
 
 
+def test_samples_a_smaller_run_skipped_are_judged_again_when_a_run_takes_them(tmp_path):
+    """An old-rule log of two samples, resumed with --limit 1: the second keeps its old verdict
+    marked with its rule, and the next run that takes it judges it again."""
+    from kvshare.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "long-context", max_position_embeddings=8192)
+    out = tmp_path / "out"
+    first = evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    del lines[0]["scoring"]  # as written before the rule
+    lines[1]["f1"] = lines[2]["f1"] = 0.123
+    (out / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=1, max_tokens=4)
+    rewritten = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert rewritten[1]["f1"] != 0.123 and "scoring" not in rewritten[1]
+    assert rewritten[2]["f1"] == 0.123 and rewritten[2]["scoring"] == 1
+    again = evaluate_f1(str(model), None, out, dataset="hotpotqa", limit=2, max_tokens=4)
+    assert again["f1"] == first["f1"] and again["scoring"] == 2
+
+
+def test_the_suite_merges_no_result_scored_under_another_rule(tmp_path, monkeypatch):
+    from kvshare.eval import suite
+    from kvshare.eval.harness import EvalTask, run_settings, settings_hash
+    from kvshare.serve import SamplingParams
+
+    monkeypatch.setattr(suite, "resolve_model_dir", lambda model: tmp_path)
+    monkeypatch.setattr(suite, "fingerprints", lambda folder: type("F", (), {"base": "sha256:fp"})())
+    spec = suite.SuiteSpec(model="m", dtype="float32", systems={}, tasks=["f1-hotpotqa"])
+    task = EvalTask("f1-hotpotqa", [{"id": "x"}], None, None, SamplingParams(max_tokens=32), None, None,
+                    {"limit": spec.limits.hotpotqa}, scoring=2)
+    settings = run_settings(task, "m", "sha256:fp", "base", None, "float32")
+    folder = tmp_path / "out/samples/base/base/f1-hotpotqa"
+    folder.mkdir(parents=True)
+    for scoring, merged in ((1, False), (2, True)):
+        (folder / "results.json").write_text(json.dumps({"limit": spec.limits.hotpotqa, "scoring": scoring, "f1": {},
+                                                         "settings": settings, "settings_hash": settings_hash(settings)}))
+        found, skipped = suite.finished_runs(spec, tmp_path / "out", {"f1-hotpotqa": task})
+        assert (("base", "f1-hotpotqa") in found) == merged, skipped
+
+
 def test_a_sharded_bases_log_from_before_shard_free_fingerprints_resumes(tmp_path):
     """Logs record the base fingerprint; a sharded base's changed when fingerprints stopped
     depending on sharding. A log under its old (shard-by-shard) digest still resumes, its

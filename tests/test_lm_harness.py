@@ -131,3 +131,20 @@ def test_kvshare_lm_eval_command_runs_lm_evals_cli_with_our_model_and_tasks(tiny
     assert run.code == 0, run.err
     [results] = list(tmp_path.rglob("results_*.json"))
     assert json.loads(results.read_text())["results"]["gsm8k_kvshare"]["sample_len"] == 2
+
+
+def test_text_is_encoded_as_lm_evals_hf_model_encodes_it():
+    """A tokenizer that adds BOS (Llama's) gets it, as in lm-eval's HFLM; a text that starts
+    with BOS (a chat template's) gets no second one; an explicit choice is kept."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2, "there": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    lm = KvshareLM.__new__(KvshareLM)
+    lm.tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>")
+    assert lm.tok_encode("hi there") == [0, 2, 3]
+    assert lm.tok_encode("<s> hi") == [0, 2]
+    assert lm.tok_encode("hi there", add_special_tokens=False) == [2, 3]
+    assert lm.tok_encode("hi there hi", left_truncate_len=2) == [3, 2]
