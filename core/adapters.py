@@ -22,12 +22,25 @@ _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])
 
 # PEFT features that change the computation beyond y = xW + s * (x A) B; the engine's
 # gathered LoRA implements exactly that, so anything else is refused rather than mis-served.
-_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 _UNSUPPORTED = {
     "use_dora": (True,),
     "lora_bias": (True,),
     "use_qalora": (True,),
 }
+# LoRA variants PEFT configures by a sub-config (its ``is_lora_variant`` fields): set, each
+# adds factors or a forward of its own
+_VARIANT_CONFIGS = ("use_bdlora", "kasa_config", "velora_config", "monteclora_config", "arrow_config")
+# LoraConfig's defaults: PEFT loads a config written without ``r`` or ``lora_alpha`` with these
+PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA = 8, 8
+
+
+def lora_rank(config: dict) -> int:
+    return int(config.get("r", PEFT_DEFAULT_RANK))
+
+
+def lora_alpha(config: dict) -> float:
+    return float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,9 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
     for key, bad_values in _UNSUPPORTED.items():
         if config.get(key) in bad_values:
             raise KvshareError(f"{folder}: {key}={config[key]} is not supported by kvshare")
+    for key in _VARIANT_CONFIGS:
+        if config.get(key):
+            raise KvshareError(f"{folder}: {key} is set; that LoRA variant is not supported by kvshare")
     if config.get("bias", "none") != "none":
         raise KvshareError(f"{folder}: bias={config['bias']!r} is not supported (use 'none')")
     for key in ("modules_to_save", "trainable_token_indices", "target_parameters"):
@@ -89,8 +105,8 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
         raise KvshareError(f"{folder}: layer_replication is not supported (the base's layers are served as they are)")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-        # PEFT re-runs these on load and rewrites the base weights (W - B0 A0); kvshare serves W
-        raise KvshareError(f"{folder}: init_lora_weights={init!r} changes the base weights when PEFT loads it; "
+        # trained against W - B0 A0 (PEFT re-runs most of these on load and rewrites the base); kvshare serves W
+        raise KvshareError(f"{folder}: init_lora_weights={init!r} changes the base weights (W - B0 A0); "
                            "convert it to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)")
     return PeftCheckpoint(folder, config, weights, tensor_specs(weights))
 
@@ -118,9 +134,9 @@ def lora_modules(ckpt: PeftCheckpoint) -> list[LoraModule]:
         a, b = ab["A"], ab["B"]
         if a.shape[0] != b.shape[1]:
             raise KvshareError(f"{ckpt.weights}: {name}: lora_A {a.shape} and lora_B {b.shape} disagree")
-        if a.shape[0] != ckpt.config.get("r"):
+        if a.shape[0] != lora_rank(ckpt.config):
             raise KvshareError(
-                f"{ckpt.weights}: {name} has rank {a.shape[0]}, adapter_config.json says r={ckpt.config.get('r')}"
+                f"{ckpt.weights}: {name} has rank {a.shape[0]}, adapter_config.json says r={lora_rank(ckpt.config)}"
             )
         modules.append(LoraModule(name, a.shape[0], a.shape[1], b.shape[0], a.dtype))
     return modules

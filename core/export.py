@@ -19,7 +19,9 @@ from .adapters import (
     ADAPTER_WEIGHTS,
     check_against_base,
     check_kind_rules,
+    lora_alpha,
     lora_modules,
+    lora_rank,
     read_peft_checkpoint,
     target_leaves,
 )
@@ -93,8 +95,8 @@ def export_adapter(
         base_family=base_info.family,
         base_fingerprint=base_info.fingerprint,
         tokenizer_fingerprint=base_info.tokenizer_fingerprint,
-        rank=int(config["r"]),
-        alpha=config.get("lora_alpha", config["r"]),
+        rank=lora_rank(config),
+        alpha=lora_alpha(config),
         dropout=config.get("lora_dropout"),
         use_rslora=config.get("use_rslora"),
         target_modules=leaves,
@@ -140,7 +142,7 @@ def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None, 
     modules = lora_modules(ckpt)
     kind = parse_kind(data["kind"])
     leaves = target_leaves(ckpt, modules)
-    if int(ckpt.config["r"]) != data["lora"]["rank"] or sorted(leaves) != sorted(
+    if lora_rank(ckpt.config) != data["lora"]["rank"] or sorted(leaves) != sorted(
         data["lora"]["target_modules"]
     ):
         raise KvshareError(f"{adapter_dir}: kvshare.json disagrees with {ADAPTER_CONFIG} (rank or targets)")

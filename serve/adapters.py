@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_alpha
 from ..errors import KvshareError
 from ..export import verify_adapter_dir
 from ..manifest import check_loaded_files
@@ -106,7 +106,7 @@ class AdapterSet:
         config = read_json(path / ADAPTER_CONFIG)
         raw, tensors = read_tensor_file(path / ADAPTER_WEIGHTS)
         check_loaded_files(manifest, path, {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: raw})
-        alpha, use_rslora = float(config.get("lora_alpha", config["r"])), bool(config.get("use_rslora"))
+        alpha, use_rslora = lora_alpha(config), bool(config.get("use_rslora"))
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.match(key)

@@ -355,9 +355,30 @@ def test_system_prompt_is_recorded_for_serving(cli, checkpoints, base, tmp_path)
     assert "chat" not in manifest.read(tmp_path / "b")
 
 
+def test_a_config_without_lora_alpha_is_served_with_pefts_default(cli, checkpoints, base, tmp_path):
+    """LoraConfig's lora_alpha defaults to 8, and PEFT loads a config without it so: not r."""
+    from kvshare.serve import LLM, SamplingParams
+
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    assert config["r"] != 8
+    del config["lora_alpha"]
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    out = tmp_path / "o"
+    assert export(cli, ckpt, "lora", base, out).code == 0
+    assert manifest.read(out)["lora"]["alpha"] == 8
+    prompt = [1, 5, 9, 13, 2, 7]
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), out).eval()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(base, [out])
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), adapter="o")[0].token_ids
+    assert got == expected
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("init_lora_weights", "pissa_niter_4", "changes the base weights"), ("init_lora_weights", "loftq", "changes the base"),
-    ("layer_replication", [[0, 1], [0, 1]], "layer_replication")])
+    ("init_lora_weights", "lora_ga", "changes the base"), ("layer_replication", [[0, 1], [0, 1]], "layer_replication"),
+    ("use_bdlora", {"nblocks": 2}, "use_bdlora"), ("kasa_config", {"beta": 0.1}, "kasa_config")])
 def test_configs_that_serve_another_computation_are_refused(cli, checkpoints, base, tmp_path, key, value, message):
     """PEFT re-runs a PiSSA/OLoRA/CorDA/LoftQ init on load, rewriting the base; layer_replication
     builds other layers: kvshare would serve the plain base with the adapter, other outputs."""
