@@ -335,9 +335,9 @@ def register(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="write kernel_bench.json and kernel_bench.md here")
     p.set_defaults(func=_cmd_bench_kernels)
 
-    p = bsub.add_parser("quant", help="weight-only int8 (--kernels int8) vs float: quality and speed",
-                        description="The engine with an int8 base (--kernels int8) against float32 "
-                        "(and oneDNN) in one run: greedy agreement on held-out HotpotQA questions, "
+    p = bsub.add_parser("quant", help="weight-only int8 and int4 bases vs float: quality and speed",
+                        description="The engine with int8 and int4 bases (--kernels int8 / int4) against "
+                        "float32 (and oneDNN) in one run: greedy agreement on held-out HotpotQA questions, "
                         "perplexity on held-out HotpotQA paragraphs, decode/prefill tokens/s, weight "
                         "bytes, one projection's kernel timings. JSON and markdown.")
     _bench_common(p, "write quant_bench.json and quant_bench.md here")

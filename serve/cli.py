@@ -166,7 +166,7 @@ def register(sub) -> None:
                    help="co-located models lend idle KV blocks to each other (SwiftCache)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set KVSHARE_API_KEY, "
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (or set KVSHARE_API_KEY, "
                    "which other users cannot read from the process list)")
     add_engine_arguments(p)
     add_server_arguments(p)

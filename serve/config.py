@@ -1,8 +1,8 @@
 """EngineConfig: one engine's settings, and the command-line arguments that set them.
 
-``kvshare serve``, ``kvshare bench`` and ``kvshare eval`` take the same engine options
-(`add_engine_arguments`) and build the same object from them, so a setting means the same
-thing everywhere.
+``kvshare serve`` takes the engine options on its command line (`add_engine_arguments`)
+and builds this object from them, as ``LLM(...)`` does from keywords, so a setting means the
+same thing everywhere; the benchmarks set the few they vary with flags of their own.
 """
 
 from __future__ import annotations
@@ -96,13 +96,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
     g.add_argument("--kernels", default="auto",
                    help="kernel backends, comma-separated (torch: the references; cpu: the C++ CPU attention; "
-                   "int8 / int4: weight-only int8 / int4 base; triton: GPU kernels); default auto: cpu on a "
+                   "int8 / int4: weight-only int8 / int4 base; onednn: oneDNN's int8 matmul; triton: GPU kernels); "
+                   "default auto: cpu on a "
                    "CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run steps of up to --compile-max-rows rows through torch.compile (Inductor, weights packed; each "
                    "batch bucket compiles on first use, about a minute, and later processes on the same weights load it from "
                    "the cache); auto: on CPU in "
-                   "float32 with the torch kernels, and in bfloat16 (torch or int8 kernels) on CPUs with "
+                   "float32 with the torch kernels, and in bfloat16 (torch, int8 or int4 kernels) on CPUs with "
                    "bfloat16 instructions; on a GPU with --kernels triton, decode steps replay from CUDA graphs "
                    "(default auto)")
     g.add_argument("--compile-max-rows", type=int, choices=COMPILE_BUCKETS, default=DEFAULT_COMPILE_MAX_ROWS,

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="like --resume, but go on even if the recipe changed (e.g. a longer "
                         "train.max_steps); the changed keys are printed as a warning")
     parser.add_argument("--stop-after", type=int, metavar="STEPS",
-                        help="stop (resumably) after this many optimizer steps")
+                        help="stop (resumably) at this optimizer step")
 
 
 def run(args: argparse.Namespace) -> int:
