@@ -17,7 +17,7 @@ import torch
 from . import zoo
 from .errors import KvshareError
 from .families import FAMILIES
-from .safetensors_io import model_weight_files, read_json
+from .safetensors_io import model_weight_files, read_json, tensor_specs
 
 # Llama-family decoders whose attention the engine reproduces exactly (families.py).
 SUPPORTED_FAMILIES = tuple(FAMILIES)
@@ -122,6 +122,41 @@ def check_model_dir(model_dir: Path) -> dict:
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise KvshareError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")
     return config
+
+
+_BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from the batch's largest position
+
+
+def refuse_what_the_engine_lacks(config, tensor_names) -> None:
+    """A model whose transformers forward does something the engine's does not is refused, not
+    served (or trained for serving) wrongly: biases beyond q/k/v (Llama's attention_bias,
+    mlp_bias), a sliding window that is on (Mistral, Qwen with use_sliding_window), RoPE whose
+    frequencies depend on the batch (a short request batched beside a long one would be
+    rotated as the long one). ``config``: the transformers config; ``tensor_names``: the
+    weights' names."""
+    extra_bias = sorted({k.split(".")[-2] for k in tensor_names if k.endswith(".bias")
+                         and k.split(".")[-2] in ("o_proj", "gate_proj", "up_proj", "down_proj")})
+    if extra_bias:
+        raise KvshareError(f"this model has biases on {', '.join(extra_bias)}, which the engine does not add")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise KvshareError(f"this model attends within a sliding window of {window} tokens, which the engine "
+                           "does not apply")
+    rope = (getattr(config, "rope_scaling", None) or {}).get("rope_type") or \
+        (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+    if rope in _BATCH_DEPENDENT_ROPE:
+        raise KvshareError(f"this model's RoPE ({rope}) picks its frequencies from the batch; the engine batches "
+                           "requests of every length, so it is not supported")
+
+
+def check_servable(model_dir: Path) -> None:
+    """:func:`refuse_what_the_engine_lacks` from the folder's config and weight names (no weight
+    is read): what trains an adapter checks the engine can serve its base first."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    refuse_what_the_engine_lacks(config, [name for file in model_weight_files(model_dir)
+                                          for name in tensor_specs(file)])
 
 
 def model_family(model_dir: Path) -> str:

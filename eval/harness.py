@@ -81,10 +81,10 @@ def require_adapter_dir(adapter: str | None) -> None:
 
 
 def load_llm(model: str, adapter: str | None, dtype: str = "float32",
-             kv_cache_tokens: int = 32768) -> tuple[LLM, str | None]:
+             kv_cache_tokens: int = 32768, device: str = "cpu") -> tuple[LLM, str | None]:
     """An engine with the adapter (folder) loaded; returns it and the adapter's name."""
     require_adapter_dir(adapter)
-    llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype)
+    llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype, device=device)
     name = llm.engine.load_adapter(adapter) if adapter else None
     return llm, name
 
@@ -304,9 +304,9 @@ def score(task: EvalTask, samples: list[dict], out_dir: Path, model: str, adapte
 
 
 def evaluate(task: EvalTask, model: str, adapter: str | None, out_dir: str | Path, batch: int = 8,
-             dtype: str = "float32", overwrite: bool = False) -> dict:
+             dtype: str = "float32", overwrite: bool = False, device: str = "cpu") -> dict:
     """One task, one adapter (a folder or None for the base), a fresh engine."""
-    llm, name = load_llm(model, adapter, dtype=dtype)
+    llm, name = load_llm(model, adapter, dtype=dtype, device=device)
     out_dir = Path(out_dir)
     samples = run_samples(llm, task, {name: out_dir}, batch, overwrite)[name]
     return score(task, samples, out_dir, model, adapter, engine_settings(llm, task, name), {"dtype": dtype})

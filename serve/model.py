@@ -18,6 +18,7 @@ from ..errors import KvshareError
 from ..kernels import Kernels
 from ..safetensors_io import load_tensors, model_weight_files
 from ..families import FAMILIES, rotary_for
+from ..models import refuse_what_the_engine_lacks
 from .batch import Batch
 from .cache.layer_stream import LayerStream
 
@@ -55,7 +56,7 @@ class Model:
         w: dict[str, torch.Tensor] = {}
         for file in model_weight_files(model_dir):
             w.update(load_tensors(file))
-        _refuse_what_the_forward_lacks(c, w)
+        refuse_what_the_engine_lacks(c, w)
         w = {k: v.to(device=device, dtype=dtype) for k, v in w.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.kernels = kernels = kernels or Kernels()
@@ -141,7 +142,10 @@ class Model:
         if self.hidden_capture is not None:
             capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
         h = self.decoder(h, cos, sin, self.layers, project, attend, capture)
-        return self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
+        logits = self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
+        if stream is not None:
+            stream.finish()  # the last layer's write-back ran beside the head
+        return logits
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final-normed hidden states, through the linear backend."""
@@ -208,24 +212,3 @@ class Model:
         return torch.cat(out) if len(out) > 1 else out[0]
 
 
-_BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from the batch's largest position
-
-
-def _refuse_what_the_forward_lacks(config, weights: dict[str, torch.Tensor]) -> None:
-    """A model whose transformers forward does something this one does not is refused here,
-    not served wrongly: biases beyond q/k/v (Llama's attention_bias, mlp_bias), a sliding
-    window that is on (Mistral, Qwen with use_sliding_window), RoPE whose frequencies depend
-    on the batch (a short request batched beside a long one would be rotated as the long one)."""
-    extra_bias = sorted({k.split(".")[-2] for k in weights if k.endswith(".bias")
-                         and k.split(".")[-2] in ("o_proj", "gate_proj", "up_proj", "down_proj")})
-    if extra_bias:
-        raise KvshareError(f"this model has biases on {', '.join(extra_bias)}, which the engine does not add")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-        raise KvshareError(f"this model attends within a sliding window of {window} tokens, which the engine "
-                           "does not apply")
-    rope = (getattr(config, "rope_scaling", None) or {}).get("rope_type") or \
-        (getattr(config, "rope_parameters", None) or {}).get("rope_type")
-    if rope in _BATCH_DEPENDENT_ROPE:
-        raise KvshareError(f"this model's RoPE ({rope}) picks its frequencies from the batch; the engine batches "
-                           "requests of every length, so it is not supported")

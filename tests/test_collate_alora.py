@@ -77,3 +77,29 @@ def test_alora_hidden_states_before_the_invocation_equal_the_base(tiny_models, t
     for layer, (a, b) in enumerate(zip(ours, theirs)):
         assert torch.equal(a[:, :start], b[:, :start]), layer
     assert not torch.allclose(ours[-1][:, start:], theirs[-1][:, start:])
+
+
+def test_alora_trains_from_the_prompts_invocation_when_the_response_holds_one_too(tiny_models, tokenizer, tmp_path):
+    """Serving switches the adapter on at the invocation the prompt ends with; training does
+    too, though PEFT alone would take the last one (here inside the response)."""
+    base_dir = tiny_models("llama")
+    inv = invocation_ids(tokenizer, INVOCATION)
+    adapter = make_peft_adapter(base_dir, tmp_path / "alora", target_modules=["q_proj", "k_proj", "v_proj"],
+                                invocation_tokens=inv)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter)
+    echo = Example("toy/2", "Say the magic words.", f"Here: {INVOCATION} done.")
+    items = [tokenize_example(echo, tokenizer, invocation=inv), tokenize_example(EXAMPLE, tokenizer, invocation=inv)]
+    batch = collate(items, tokenizer.pad_token_id)
+    width = batch["input_ids"].shape[1]
+    assert [width - o for o in batch["alora_offsets"].tolist()] == [item.invocation_start for item in items]
+    start = items[0].invocation_start
+    assert items[0].input_ids[start:start + len(inv)] == inv
+    ids = batch["input_ids"][:1]
+    with torch.no_grad():
+        ours = model(input_ids=ids, alora_offsets=[width - start]).logits
+        pefts = model(input_ids=ids).logits  # PEFT's own offset: the response's invocation
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert torch.equal(ours[:, :start], base[:, :start])
+    assert not torch.allclose(ours[:, start:start + len(inv) + 2], base[:, start:start + len(inv) + 2])
+    assert not torch.allclose(ours, pefts)

@@ -120,3 +120,14 @@ def test_a_few_steps_lower_the_loss_on_a_toy_task(tiny_models):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_the_encoder_pass_projects_no_logits_it_does_not_use(tiny_models):
+    """The decoder's logits are the only full ones: the encoder pass reads the base's K/V."""
+    model = icarus_model(tiny_models("llama"))
+    ids, mask = batch(model.config.vocab_size)
+    rows = []
+    model.get_base_model().lm_head.register_forward_hook(lambda module, args, out: rows.append(out.shape[1]))
+    with torch.no_grad():
+        icarus_forward(model, ids, mask)
+    assert sum(rows) == ids.shape[1] + 1

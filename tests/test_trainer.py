@@ -140,6 +140,16 @@ def test_a_base_without_a_chat_template_is_one_line_error(tmp_path, tiny_llama, 
     assert_one_line_error(cli("train", path), "no chat template")
 
 
+def test_a_base_the_engine_cannot_serve_is_refused_before_training(tmp_path, tiny_llama, toy_data, cli):
+    """A base with its sliding window on: the engine would refuse the adapter at serving."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["sliding_window"] = 16
+    (tiny_llama / "config.json").write_text(json.dumps(config))
+    path = toy_recipe(tmp_path, tiny_llama, toy_data, "lora", max_steps=2)
+    assert_one_line_error(cli("train", path), "sliding window")
+    assert not (tmp_path / "run-lora" / "checkpoints").exists()
+
+
 def test_sharded_training_is_refused_before_it_starts(tmp_path, tiny_models, toy_data, cli, monkeypatch):
     """FSDP (and DeepSpeed): the trainer saves and exports on the main process, which would hold
     only its shard of the adapter; a clear error, not a crash or a partial checkpoint at the
@@ -202,6 +212,22 @@ def test_resume_after_a_kill_reaches_the_same_weights(tmp_path, tiny_models, toy
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 150  # no duplicated log lines
+
+
+def test_a_run_stopped_in_mid_window_logs_what_an_unbroken_run_logs(tmp_path, tiny_models, toy_data):
+    """--stop-after 4 with log_every 3, then --resume: the same loss records and final loss as
+    a run never stopped (the open window travels in the checkpoint)."""
+    base = tiny_models("llama")
+    over = {"max_steps": 6, "log_every": 3, "save_every": 2, "batch_size": 2, "grad_accum": 1}
+    runs = {}
+    for name, stops in (("whole", [None]), ("stopped", [4, None])):
+        (tmp_path / name).mkdir()
+        path = toy_recipe(tmp_path / name, base, toy_data, "lora", **over)
+        for i, stop in enumerate(stops):
+            summary = train(load_recipe(path), recipe_path=str(path), resume=i > 0, stop_after=stop)
+        records = [json.loads(line) for line in (tmp_path / name / "run-lora" / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([(r["step"], r["loss"]) for r in records], summary["final_loss"])
+    assert runs["stopped"] == runs["whole"] and [step for step, _ in runs["whole"][0]] == [3, 6]
 
 
 def test_two_process_ddp_on_cpu_keeps_ranks_identical(tmp_path, tiny_models, toy_data):

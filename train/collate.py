@@ -23,6 +23,7 @@ IGNORE = -100
 class Tokenized:
     input_ids: list[int]
     labels: list[int]
+    invocation_start: int | None = None  # aLoRA: where the prompt's invocation starts
 
 
 @dataclass
@@ -55,7 +56,8 @@ def tokenize_example(example: Example, tokenizer, *, invocation: list[int] | Non
     if invocation is not None:
         prompt += invocation
     response = tokenizer.encode(example.response, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return Tokenized(prompt + response, [IGNORE] * len(prompt) + response)
+    start = len(prompt) - len(invocation) if invocation is not None else None
+    return Tokenized(prompt + response, [IGNORE] * len(prompt) + response, start)
 
 
 def tokenize_all(examples: list[Example], tokenizer, max_length: int, **kwargs) -> tuple[list[Tokenized], TokenizeStats]:
@@ -73,7 +75,10 @@ def tokenize_all(examples: list[Example], tokenizer, max_length: int, **kwargs) 
 
 
 def collate(items: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest item; padding is masked out of attention and loss."""
+    """Right-pad to the longest item; padding is masked out of attention and loss. aLoRA
+    items also get PEFT's ``alora_offsets`` (positions from the row's end to its invocation)
+    from the invocation the prompt ends with: left to itself, PEFT takes the invocation's
+    last occurrence, which a response may hold too, while serving looks in the prompt."""
     width = max(len(item.input_ids) for item in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     labels = torch.full((len(items), width), IGNORE, dtype=torch.long)
@@ -83,4 +88,7 @@ def collate(items: list[Tokenized], pad_id: int) -> dict[str, torch.Tensor]:
         ids[row, :n] = torch.tensor(item.input_ids)
         labels[row, :n] = torch.tensor(item.labels)
         mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if items[0].invocation_start is not None:
+        batch["alora_offsets"] = torch.tensor([width - item.invocation_start for item in items])
+    return batch

@@ -54,11 +54,11 @@ def headline(results: dict) -> dict[str, float]:
 
 
 def evaluate_adapter(adapter_dir: Path, base_model: str, task_name: str, limit: int,
-                     max_tokens: int | None, out_dir: Path) -> dict:
-    """Score an exported adapter folder on the task's first ``limit`` items; returns
-    ``{"task", "n", <metric>: value, ...}``."""
+                     max_tokens: int | None, out_dir: Path, device: str = "cpu") -> dict:
+    """Score an exported adapter folder on the task's first ``limit`` items (on the training
+    process's device); returns ``{"task", "n", <metric>: value, ...}``."""
     from ..eval.harness import evaluate
 
     task = build_eval_task(task_name, limit, max_tokens)
-    results = evaluate(task, base_model, str(adapter_dir), out_dir, overwrite=True)
+    results = evaluate(task, base_model, str(adapter_dir), out_dir, overwrite=True, device=device)
     return {"task": task.name, "n": len(task.items), **headline(results)}

@@ -106,6 +106,9 @@ class TrainSpec(_Strict):
     eval_task: str | None = None
     eval_limit: int = Field(20, ge=1)
     eval_max_tokens: int | None = Field(None, ge=1)
+    # seconds a process may wait for the others (e.g. while the main one evaluates), as HF's
+    # TrainingArguments.ddp_timeout
+    ddp_timeout: int = Field(1800, ge=1)
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -145,7 +148,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 # Keys that may change between a run and its resumption: they do not alter what is trained.
 RESUME_FREE_KEYS = ("notes", "output_dir", "train.log_every", "train.save_every", "train.report_to",
-                    "train.eval_", "train.gradient_checkpointing")
+                    "train.eval_", "train.gradient_checkpointing", "train.ddp_timeout")
 
 
 def recipe_drift(saved: dict, recipe: Recipe) -> list[str]:

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from ..errors import KvshareError
 from ..fsutil import write_text_atomic
 from ..hardware import resolve_mixed_precision, warn_if_bf16_is_slow
-from ..models import resolve_model_dir
+from ..models import check_servable, resolve_model_dir
 from ..kinds import kind_spec
 from . import checkpoint as ckpt
 from .collate import IGNORE, collate, invocation_ids, tokenize_all
@@ -194,7 +195,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     # accelerate keeps its settings in a process-wide singleton; a second run in the same
     # process (kvshare story, a notebook) may use another mixed precision. The process group
@@ -208,8 +209,12 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     for tracker in recipe.train.report_to:
         if importlib.util.find_spec(tracker) is None:
             raise KvshareError(f"train.report_to: {tracker} is not installed (pip install 'kvshare[tracking]')")
+    # the other processes wait at a barrier while the main one evaluates (eval_every): the
+    # process group's timeout is the recipe's (HF's ddp_timeout: 30 min), not NCCL's 10
+    group = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.ddp_timeout))
     accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(),
-                        log_with=list(recipe.train.report_to) or None, project_dir=str(run_dir / "logs"))
+                        log_with=list(recipe.train.report_to) or None, project_dir=str(run_dir / "logs"),
+                        kwargs_handlers=[group])
     if accel.distributed_type.value in _UNSUPPORTED_DISTRIBUTION:
         raise KvshareError(f"accelerate's {accel.distributed_type.value} is not supported by kvshare train: "
                            f"{_UNSUPPORTED_DISTRIBUTION[accel.distributed_type.value]}")
@@ -221,6 +226,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
                            "or choose another output_dir")
     set_seed(recipe.train.seed)
     base_dir = resolve_model_dir(recipe.base_model)
+    check_servable(base_dir)  # before hours of training an adapter the engine would refuse
     model, tokenizer, invocation = build_model(recipe, base_dir)
     if recipe.train.gradient_checkpointing:
         _enable_checkpointing(model.get_base_model())
@@ -271,17 +277,22 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         if kind_spec(recipe.adapter.kind).base_kv_only:
             return icarus_forward(model, batch["input_ids"], batch["attention_mask"],
                                   batch["labels"], peft_model=peft_model, num_items_in_batch=num_items)
+        if "alora_offsets" in batch:  # PEFT takes a list
+            batch = {**batch, "alora_offsets": batch["alora_offsets"].tolist()}
         return model(**batch, num_items_in_batch=num_items)
 
     bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
                file=sys.stderr, dynamic_ncols=True)
-    window: list[float] = []
+    # the open logging window (its step losses, tokens and seconds so far) is part of the
+    # checkpoint: a run resumed in mid-window logs the same records as one never stopped
+    window: list[float] = list(state.get("window", []))
     last_eval = None
     # mean loss of the last logged window: the run's final loss (a run resumed at its last step,
     # killed while exporting, logs no window: its final loss is the one logged before)
     last_loss = _last_logged_loss(metrics_path) if main and resume_from is not None else float("nan")
     started = time.perf_counter() - state["seconds"]
-    window_start, window_tokens = time.perf_counter(), 0
+    window_start = time.perf_counter() - state.get("window_seconds", 0.0)
+    window_tokens = state.get("window_tokens", 0)
     model.train()
     limit = total if stop_after is None else min(total, stop_after)
     batches, batches_epoch = [], None
@@ -320,7 +331,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         if not math.isfinite(step_value):
             raise KvshareError(f"loss became {step_value} at step {state['step']}; "
                                "lower train.lr or use mixed_precision: no")
-        if state["step"] % tp.log_every == 0 or state["step"] == limit:
+        if state["step"] % tp.log_every == 0 or state["step"] == total:
             now = time.perf_counter()
             record = {"step": state["step"], "loss": sum(window) / len(window),
                       "lr": scheduler.get_last_lr()[0], "epoch": state["epoch"],
@@ -334,14 +345,18 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
         bar.update(1)
         if tp.eval_every and state["step"] % tp.eval_every == 0:
             if main:
-                last_eval = {"step": state["step"], "eval": _evaluate_now(recipe, peft_model, run_dir,
-                                                                          base_dir, state["step"])}
+                last_eval = {"step": state["step"], "eval": _evaluate_now(recipe, peft_model, run_dir, base_dir,
+                                                                          state["step"], str(accel.device))}
                 log(last_eval)
             accel.wait_for_everyone()
         if state["step"] % tp.save_every == 0 or state["step"] == limit:
             state["seconds"] = time.perf_counter() - started
+            state.update(window=window, window_tokens=window_tokens,
+                         window_seconds=time.perf_counter() - window_start)
             _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank, resolved)
     bar.close()
+    if window:  # stopped (--stop-after) in mid-window: its loss so far, not logged until the window closes
+        last_loss = sum(window) / len(window)
 
     digests = accel.gather_for_metrics([lora_digest(peft_model)], use_gather_object=True)
     summary = {
@@ -398,14 +413,15 @@ def _export_to(recipe: Recipe, peft_model, peft_dir: Path, out: Path, provenance
                           system_prompt=recipe.data.system_prompt)
 
 
-def _evaluate_now(recipe: Recipe, peft_model, run_dir: Path, base_dir: Path, step: int) -> dict:
+def _evaluate_now(recipe: Recipe, peft_model, run_dir: Path, base_dir: Path, step: int, device: str) -> dict:
     """Export the adapter as it stands and score it through the engine (train/evaluation.py)."""
     folder = run_dir / "eval" / f"step-{step}"
     adapter = _export_to(recipe, peft_model, folder / "peft", folder / "adapter", {"steps": step})
     tp = recipe.train
     python_rng = random.getstate()
     with torch.random.fork_rng():  # the training run draws the same numbers with or without evaluations
-        scores = evaluate_adapter(adapter, str(base_dir), tp.eval_task, tp.eval_limit, tp.eval_max_tokens, folder)
+        scores = evaluate_adapter(adapter, str(base_dir), tp.eval_task, tp.eval_limit, tp.eval_max_tokens, folder,
+                                  device)
     random.setstate(python_rng)
     return scores
 
