@@ -249,6 +249,12 @@ def resolve_mode(mode: str) -> str:
     return mode
 
 
+def unpacked_int8(model: Model) -> bool:
+    """Whether an int8 weight of ``model`` lacks the packed kernel the compiled step takes (an
+    input size not a multiple of 16): ``auto`` then runs eager, ``on`` is refused."""
+    return any(isinstance(w, Int8Weight) and not w.packed_kernel for layer in model.layers for w in layer.values())
+
+
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
     """Whether an engine runs the compiled step: ``on`` asks for it (an error where it cannot
     run), ``auto`` takes it on CPU in float32 with the torch linear backend, and in bfloat16

@@ -211,7 +211,7 @@ class LLMEngine:
         if request_id in self.sequences:
             raise KvshareError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, tokens, params, hints=hints)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, tokens)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(tokens)
         self.hints_log.append((request_id, seq.hints))

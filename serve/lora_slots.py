@@ -154,7 +154,8 @@ class LoraSlots:
 
     def row_inputs(self, groups: list[tuple[int, torch.Tensor]], size: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of ``size`` rows' slot and scale (0 and 0.0: no adapter, pad rows)."""
+        """Each of ``size`` rows' slot and scale (0 and 0.0: no adapter, pad rows; :func:`lora_delta`
+        gives those rows zeros)."""
         index = torch.zeros(size, dtype=torch.long, device=device)
         scale = torch.zeros(size, dtype=torch.float32, device=device)
         for slot, rows in groups:
@@ -175,4 +176,6 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, index: torch
         return x.new_zeros(x.shape[0], b_t.shape[-1], dtype=wide)
     t = (a[index].to(wide) * x.to(wide)[:, None, :]).sum(-1)  # (rows, r)
     delta = (b_t[index].to(wide) * t[:, :, None]).sum(1)  # (rows, out)
-    return delta * scale[:, None]
+    # rows of no adapter read slot 0: exact zeros for them, whatever slot 0 holds (a NaN in
+    # one tenant's adapter must not reach the base rows, nor the base KV they write)
+    return torch.where(scale[:, None] != 0, delta * scale[:, None], 0.0)

@@ -32,36 +32,45 @@ class RequestOutput:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of token ids, decoding only what is new."""
+    """Text of a growing list of token ids, decoding only what is new. Primed with the
+    prompt's last tokens, as vLLM's: a SentencePiece tokenizer then keeps the first output
+    token's leading space (" Hello", where decoding the output alone gives "Hello")."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt: list[int] = ()):
         self.tokenizer = tokenizer
         self.text = ""
-        self.prefix_offset = 0  # first token of the decode window
-        self.read_offset = 0  # tokens before this are reflected in ``text``
+        self.context = list(prompt[-_CONTEXT_TOKENS:])  # decoded before the output, never part of it
+        self.prefix_offset = 0  # first token of the decode window (in context + output)
+        self.read_offset = len(self.context)  # tokens before this are reflected in ``text``
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], start: int, end: int | None = None) -> str:
+        """The text of (context + ``ids``)[start:end], without joining the two lists."""
+        n = len(self.context)
+        end = n + len(ids) if end is None else end
+        window = self.context[start:end] + ids[max(0, start - n):max(0, end - n)]
+        return self.tokenizer.decode(window, skip_special_tokens=True)
 
     def update(self, ids: list[int]) -> str:
         """Account for ``ids`` (the whole output so far); return the text it added."""
-        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        full = self._decode(ids[self.prefix_offset:])
+        prefix = self._decode(ids, self.prefix_offset, self.read_offset)
+        full = self._decode(ids, self.prefix_offset)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing printable yet (a special token, or half a UTF-8 character)
         delta = full[len(prefix):]
         self.text += delta
-        self.prefix_offset = max(self.read_offset, len(ids) - _CONTEXT_TOKENS)
-        self.read_offset = len(ids)
+        total = len(self.context) + len(ids)
+        self.prefix_offset = max(self.read_offset, total - _CONTEXT_TOKENS)
+        self.read_offset = total
         return delta
 
     def flush(self, ids: list[int]) -> None:
         """The output is final: add what was held back (a character that never completed
         decodes to U+FFFD, as in a whole decode)."""
-        if self.read_offset < len(ids):
-            prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(ids[self.prefix_offset:])[len(prefix):]
-            self.read_offset = len(ids)
+        total = len(self.context) + len(ids)
+        if self.read_offset < total:
+            prefix = self._decode(ids, self.prefix_offset, self.read_offset)
+            self.text += self._decode(ids, self.prefix_offset)[len(prefix):]
+            self.read_offset = total
 
 
 def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int,

@@ -17,7 +17,7 @@ from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
 from .cache.arena import BlockShape
 from .cache.layer_stream import LayerStream
-from .compiled import CompiledStep, compile_wanted
+from .compiled import CompiledStep, compile_wanted, resolve_mode, unpacked_int8
 from .cuda_graphs import GraphedStep, graphs_wanted
 from .config import DEFAULT_COMPILE_MAX_ROWS
 from .model import Model
@@ -50,7 +50,8 @@ class ModelRunner:
         self.device = device
         self.model = Model(model_dir, dtype, device, kernels)
         self.compiled: BucketedStep | None = None  # the graphs that run steps of up to max_step_rows rows
-        if compile_wanted(compile_mode, device, dtype, kernels):
+        if compile_wanted(compile_mode, device, dtype, kernels) and not (
+                resolve_mode(compile_mode) == "auto" and unpacked_int8(self.model)):
             self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank)
         elif graphs_wanted(compile_mode, device, self.model):
             self.compiled = GraphedStep(self.model, block_size, max_step_rows, max_loras, max_lora_rank)

@@ -233,6 +233,36 @@ def test_when_it_is_chosen(monkeypatch):
         compile_wanted("sometimes", cpu, torch.float32, torch_kernels)
 
 
+def test_auto_runs_eager_where_an_int8_weight_has_no_packed_kernel(tmp_path, monkeypatch):
+    """An input size not a multiple of 16 (here the MLP's 120): ``on`` is refused, ``auto``
+    builds the engine and runs its steps eager, instead of failing to start."""
+    from kvshare.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "odd", intermediate_size=120)
+    monkeypatch.setenv("KVSHARE_COMPILE", "auto")
+    monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: True)
+    settings = dict(dtype="bfloat16", kernels="int8", kv_cache_tokens=64, block_size=4)
+    llm = LLM(model, compile="auto", **settings)
+    assert llm.engine.runner.compiled is None
+    assert len(llm.generate([[1, 5, 9]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    with pytest.raises(KvshareError, match="multiple of 16"):
+        LLM(model, compile="on", **settings)
+
+
+def test_rows_of_no_adapter_get_zeros_whatever_slot_zero_holds():
+    """Base and pad rows read slot 0 in the graph's LoRA delta at scale 0: a NaN there (one
+    tenant's diverged adapter) must not reach them, nor the base KV they write."""
+    from kvshare.serve.lora_slots import lora_delta
+
+    a, b_t = torch.zeros(2, 8, 16), torch.zeros(2, 8, 32)
+    a[0, 0, 0] = float("nan")
+    a[1], b_t[1] = 0.1, 1.0
+    x = torch.randn(3, 16)
+    delta = lora_delta(x, a, b_t, torch.tensor([0, 0, 1]), torch.tensor([0.0, 0.0, 2.0]))
+    assert torch.equal(delta[:2], torch.zeros(2, 32))
+    assert torch.allclose(delta[2], 2 * (x[2] @ a[1].T) @ b_t[1])
+
+
 def test_warm_up_compiles_ahead_and_steps_reuse_its_graph(engines, tokenizer):
     """After ``warm_up`` a real step of that size runs the warm-up's graph: no guard fails
     (a warm-up whose inputs differed from a step's, e.g. aliased, would compile again)."""

@@ -97,6 +97,26 @@ def test_forkkv_reads_exact_base_blocks_but_never_writes_them(base, adapters, to
     assert run(llm, prompt) == (base_out, len(prompt) // BS * BS)  # the base still reads its own KV
 
 
+def test_exact_base_blocks_in_the_host_tier_load_back_for_forkkv(base, adapters, tokenizer):
+    """A ForkKV agent whose residual is cached reads the base's exact blocks as its base part:
+    where those went to the host tier, they load back instead of being recomputed, and the
+    tokens are those of an engine that never evicted them."""
+    prompt = prompts_for(tokenizer, 1)[0] * 2
+    roomy = forkkv_llm(base, adapters)
+    run(roomy, prompt)
+    run(roomy, prompt, "lora-a")
+    expected = run(roomy, prompt, "lora-a")
+    llm = forkkv_llm(base, adapters, kv_cache_tokens=32 * BS, host_cache_tokens=1024)
+    run(llm, prompt)  # the exact base blocks
+    run(llm, prompt, "lora-a")  # its residual (the base part read from the exact blocks)
+    for other in prompts_for(tokenizer, 4)[1:]:  # push the exact blocks out to the host tier
+        run(llm, other * 3)
+    assert llm.engine.stats()["host_offloaded_blocks"] > 0
+    loaded = llm.engine.stats()["host_loaded_blocks"]
+    assert run(llm, prompt, "lora-a") == expected
+    assert llm.engine.stats()["host_loaded_blocks"] > loaded
+
+
 def test_blocks_after_a_reused_exact_base_block_link_to_it(base, adapters, tokenizer):
     """Eviction takes leaves first, keeping a block while blocks that continue it are cached: a
     ForkKV request that resumed on exact base blocks links its own next blocks to the key those

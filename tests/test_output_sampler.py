@@ -35,6 +35,31 @@ def test_incremental_text_equals_a_whole_decode(tokenizer):
     assert detok.text == "ok 😀 ok"  # complete once the last byte of the emoji arrived
 
 
+def test_text_is_decoded_after_the_prompts_last_tokens_as_vllm_does(tokenizer):
+    """A SentencePiece tokenizer drops the leading space of a text's first token: decoding the
+    output after the prompt's last tokens keeps it (" world", as vLLM returns); a byte-level
+    tokenizer's text is its whole decode either way."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = Tokenizer(models.WordLevel({"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}, unk_token="<unk>"))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
+    pieces.decoder = decoders.Metaspace()
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=pieces, unk_token="<unk>")
+    assert sentencepiece.decode([2, 3]) == "world!"  # alone: no leading space
+    detok = IncrementalDetokenizer(sentencepiece, [1])
+    for n in (1, 2):
+        detok.update([2, 3][:n])
+    assert detok.text == " world!"
+    prompt = tokenizer.encode("The answer is", add_special_tokens=False)
+    output = tokenizer.encode(" forty-two, said the 😀 machine", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    for n in range(1, len(output) + 1):
+        detok.update(output[:n])
+    detok.flush(output)
+    assert detok.text == tokenizer.decode(output, skip_special_tokens=True)
+
+
 def test_stop_strings_match_across_tokens_and_cut_the_text(base, tokenizer):
     llm = LLM(base, kv_cache_tokens=1024, block_size=4)
     prompt = prompts_for(tokenizer, 1)[0]

@@ -256,9 +256,19 @@ def test_stream_capacity_reproduces_the_papers_worked_example():
 
 
 @pytest.mark.parametrize("adapter", [None, "lora-a", "icarus-a", "alora-a"])
-def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters, tokenizer, invocation, adapter):
+def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters, tokenizer, invocation, adapter,
+                                                                  monkeypatch):
+    """The tokens of private pools; every write-back to lent memory runs on the link's thread, as loads do."""
+    import threading
+
+    from kvshare.serve.cache import layer_stream
     from kvshare.serve.cache.lending import colocate
     from kvshare.serve.config import EngineConfig
+
+    writers = []
+    write = layer_stream.write_kv_ref
+    monkeypatch.setattr(layer_stream, "write_kv_ref",
+                        lambda *args: writers.append(threading.current_thread().name) or write(*args))
 
     prompt = long_prompt(tokenizer, 60) + (invocation + prompts_for(tokenizer, 1)[0] if adapter == "alora-a" else [])
     want = private_outputs(base, adapters, [(prompt, adapter, GREEDY)])[0]
@@ -277,6 +287,7 @@ def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters,
     assert done[request] == want and len(done[chat]) == GREEDY.max_tokens
     stats = long.stream_stats()
     assert stats["stream_layers_loaded"] > 0 and stats["stream_bytes_written_back"] > 0
+    assert writers and set(writers) == {"kvshare-layer-stream"}
     with pytest.raises(KvshareError, match="co-located engines may lend"):
         colo.add_request("long", long_prompt(tokenizer, 90), GREEDY)  # more than the buffer's 24 rows
 

@@ -6,8 +6,8 @@ Steps come from the hints each request carries (:mod:`..hints`): a request's own
 at 0 while it runs; the other agents of its workflow get the steps it names. When the
 request ends its agent takes the steps the hints gave for its next call (unknown: last).
 A request's steps are its workflow's whole schedule (as KVFlow's step graph is): an agent
-of that workflow they leave out has no call ahead, so its blocks rank as the furthest, and a
-workflow whose last call names nobody holds no block above the idle cache.
+of that workflow they leave out has no call ahead, so its blocks rank as the furthest (above
+the unhinted and dynamic blocks, evicted first; KVFlow orders them so too).
 
 The fixed prompt of an agent is the prefix its calls keep: given as ``fixed_prefix_tokens``
 or learned as the blocks its last two prompts have in common (its first prompt counts as

@@ -215,8 +215,11 @@ class BlockManager:
             if block_id is None:
                 if self.index.is_pending(key):
                     raise PrefixPending  # same prefix admitted just before: share it once computed
-                if self.tier is not None and (key in self.loading or key in self.tier):
-                    self._load_back(seq, keys[index:], hits)  # raises PrefixLoading if it started loads
+                if self.tier is not None:
+                    rest = keys[index:] if exact is None else \
+                        [self._held_key(own, base) for own, base in zip(keys[index:], exact[index:])]
+                    if rest[0] in self.loading or rest[0] in self.tier:
+                        self._load_back(seq, rest, hits)  # raises PrefixLoading if it started loads
                 break
             hits.append(block_id)
             stored_under = stored_under_now
@@ -260,6 +263,13 @@ class BlockManager:
             tokens = min((index + 1) * self.block_size, len(seq.prompt)) - index * self.block_size
             if tokens > 0:
                 self.stats.hit_tokens_by_kind[self.layout.reuse_kind(seq, owner)] += tokens
+
+    def _held_key(self, own: bytes, exact_base: bytes) -> bytes:
+        """The key a ForkKV request reads a block under: its own, else the exact base's (read,
+        never written), whichever the device, a load or the host tier holds."""
+        if self.index.lookup(own) is not None or own in self.loading or own in self.tier:
+            return own
+        return exact_base
 
     def _mark_read(self, seq: Sequence, index: int, block_id: int) -> None:
         """Record that ``seq``'s agent reads this block as part of its fixed prompt."""

@@ -6,9 +6,10 @@ it could sit on another device). Local memory is one *layer buffer*: row ``j`` h
 layer's K and V of one block, so local memory of M layer-blocks can serve M blocks of
 context where it would hold M / layers whole blocks. Per step the blocks the batch reads
 get buffer rows (their slots are renamed in the attention metadata); before layer ``i``'s
-attention its rows hold layer ``i``; after it, the tokens this step wrote go back to remote
-memory and layer ``i + 1`` starts loading on a copy thread while the main thread runs
-layer ``i``'s output projection and MLP (the only time the buffer is not read).
+attention its rows hold layer ``i``; after it, on a copy thread, the tokens this step wrote
+go back to remote memory and then layer ``i + 1`` loads, while the main thread runs layer
+``i``'s output projection and MLP (the only time the buffer is not read). The step waits
+for its last write-back before it ends.
 
 On CPU the link is simulated at ``bandwidth_gbps`` (as the host tier's); on CUDA the copy
 runs on its own stream. Kernels see plain per-layer caches, so every backend works.
@@ -98,43 +99,66 @@ class LayerStream:
         return self.buffer[:, 0], self.buffer[:, 1]
 
     def done_with(self, i: int) -> None:
-        """Layer ``i``'s attention has run: its new tokens go back to remote memory, and
-        layer ``i + 1`` starts loading (overlapping the rest of layer ``i``)."""
+        """Layer ``i``'s attention has run: on the link, its new tokens go back to remote
+        memory and then layer ``i + 1`` loads, both while the main thread runs the rest of
+        layer ``i`` (its output projection and MLP)."""
         meta = self._meta
         written = meta.slot_mapping.index_select(0, meta.write_rows)
-        if len(written):
+        back = None
+        if len(written):  # gathered now: the next layer's load overwrites the buffer
             renamed = self._renamed.slot_mapping.index_select(0, meta.write_rows)
-            k = gather_slots(self.buffer[:, 0], renamed)
-            v = gather_slots(self.buffer[:, 1], renamed)
-            write_kv_ref(self.remote[:, i, 0], self.remote[:, i, 1], k, v, written)
-            self.stats.bytes_written_back += 2 * k.numel() * k.element_size()
-        if i + 1 < self.layers:
-            self._load(i + 1)
+            back = (written, gather_slots(self.buffer[:, 0], renamed), gather_slots(self.buffer[:, 1], renamed))
+        self._transfer(i, back, i + 1 if i + 1 < self.layers else None)
+
+    def finish(self) -> None:
+        """The step's last write-back has landed (remote memory is the step's own again)."""
+        self._wait()
 
     # the link ---------------------------------------------------------------------------------
-    def _load(self, i: int) -> None:
-        blocks = self._blocks
-        rows = len(blocks)
-        nbytes = rows * self.buffer[0].numel() * self.buffer.element_size()
-        self.stats.layers_loaded += 1
-        self.stats.bytes_loaded += nbytes
+    def _transfer(self, i: int, back, load: int | None) -> None:
+        """On the link, in order: layer ``i``'s new tokens ``back`` (slots, k, v) written to
+        remote memory, then layer ``load`` read into the buffer."""
+        blocks, rows = self._blocks, len(self._blocks)
+        nbytes = 0
+        if back is not None:
+            written = 2 * back[1].numel() * back[1].element_size()
+            self.stats.bytes_written_back += written
+            nbytes += written
+        if load is not None:
+            loaded = rows * self.buffer[0].numel() * self.buffer.element_size()
+            self.stats.layers_loaded += 1
+            self.stats.bytes_loaded += loaded
+            nbytes += loaded
+
+        def run() -> None:
+            if back is not None:
+                slots, k, v = back
+                write_kv_ref(self.remote[:, i, 0], self.remote[:, i, 1], k, v, slots)
+            if load is not None:
+                self.buffer[:rows] = self.remote[blocks, load]
+
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.remote.device))  # attention is done
             with torch.cuda.stream(self.copy_stream):
-                self.buffer[:rows] = self.remote[blocks, i]
+                for tensor in back or ():
+                    tensor.record_stream(self.copy_stream)
+                run()
                 self._event = torch.cuda.Event()
                 self._event.record(self.copy_stream)
             return
 
-        def copy() -> None:
+        def simulated() -> None:
             start = time.perf_counter()
-            self.buffer[:rows] = self.remote[blocks, i]
+            run()
             left = nbytes / self.bandwidth - (time.perf_counter() - start)
             if left > 0:
                 time.sleep(left)  # the simulated link: a lent block is not local memory
 
-        self._thread = threading.Thread(target=copy, name="kvshare-layer-stream", daemon=True)
+        self._thread = threading.Thread(target=simulated, name="kvshare-layer-stream", daemon=True)
         self._thread.start()
+
+    def _load(self, i: int) -> None:
+        self._transfer(i, None, i)
 
     def _wait(self) -> None:
         if self._thread is not None:
