@@ -36,11 +36,11 @@ PEFT_DEFAULT_RANK, PEFT_DEFAULT_ALPHA = 8, 8
 
 
 def lora_rank(config: dict) -> int:
-    return int(config.get("r", PEFT_DEFAULT_RANK))
+    return int(PEFT_DEFAULT_RANK if config.get("r") is None else config["r"])
 
 
 def lora_alpha(config: dict) -> float:
-    return float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    return float(PEFT_DEFAULT_ALPHA if config.get("lora_alpha") is None else config["lora_alpha"])
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
     for key, bad_values in _UNSUPPORTED.items():
         if config.get(key) in bad_values:
             raise KvshareError(f"{folder}: {key}={config[key]} is not supported by kvshare")
+    _check_types(folder / ADAPTER_CONFIG, config)
     for key in _VARIANT_CONFIGS:
         if config.get(key):
             raise KvshareError(f"{folder}: {key} is set; that LoRA variant is not supported by kvshare")
@@ -109,6 +110,28 @@ def read_peft_checkpoint(folder: Path) -> PeftCheckpoint:
         raise KvshareError(f"{folder}: init_lora_weights={init!r} changes the base weights (W - B0 A0); "
                            "convert it to a plain LoRA first (PEFT's path_initial_model_for_weight_conversion)")
     return PeftCheckpoint(folder, config, weights, tensor_specs(weights))
+
+
+def _check_types(path: Path, config: dict) -> None:
+    """The keys kvshare reads, of the types PEFT writes (a hand-edited config is a clear error,
+    not a traceback deep in the export)."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def strings(v):
+        return isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v))
+
+    def token_ids(v):
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    rules = {"r": (lambda v: number(v) and v == int(v) and v >= 1, "a whole number >= 1"),
+             "lora_alpha": (number, "a number"), "lora_dropout": (number, "a number"),
+             "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+             "target_modules": (strings, "a module name, a list of them or a regular expression"),
+             "alora_invocation_tokens": (token_ids, "a list of token ids")}
+    for key, (valid, what) in rules.items():
+        if config.get(key) is not None and not valid(config[key]):
+            raise KvshareError(f"{path}: {key} must be {what}, not {config[key]!r}")
 
 
 def lora_modules(ckpt: PeftCheckpoint) -> list[LoraModule]:

@@ -71,7 +71,10 @@ def export_adapter(
     kind = parse_kind(kind) if isinstance(kind, str) else kind
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     ckpt = read_peft_checkpoint(checkpoint_dir)
-    source, target = checkpoint_dir.resolve(), out.resolve()
+    try:
+        source, target = checkpoint_dir.resolve(), out.resolve()
+    except (RuntimeError, OSError) as err:  # e.g. a symbolic link loop
+        raise KvshareError(f"{out}: {err}") from None
     if target == source or source in target.parents or target in source.parents:
         # --force replaces --out whole: a folder around the checkpoint would go with it
         raise KvshareError("--out must be a folder that neither is, nor is inside, nor contains CHECKPOINT_DIR")
@@ -79,6 +82,12 @@ def export_adapter(
         raise KvshareError(f"{out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise KvshareError(f"{out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / manifest.MANIFEST_FILE).is_file():
+        # --force deletes what it replaces: only an exported adapter (a base model, a home folder
+        # or the working folder is never one)
+        raise KvshareError(f"{out} holds files but no {manifest.MANIFEST_FILE}: --force replaces only an "
+                           "exported adapter folder (or an empty one)")
+    out = target  # named, never "." (the staging folder and the swap work beside it)
 
     base_info = resolve_base(base)
     modules = lora_modules(ckpt)
@@ -89,7 +98,7 @@ def export_adapter(
 
     config = ckpt.config
     data = manifest.build(
-        name=name or out.resolve().name,
+        name=name or out.name,
         kind=kind,
         base_name=base_info.name,
         base_family=base_info.family,

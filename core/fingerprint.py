@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from .errors import KvshareError
@@ -51,12 +51,13 @@ def fingerprints(model_dir: Path) -> Fingerprints:
     cache = model_dir / CACHE_FILE
     if cache.is_file():
         try:
-            data = json.loads(cache.read_text())
+            data = json.loads(cache.read_text(encoding="utf-8"))
             if data.get("files") == stats and (data.get("version") == CACHE_VERSION or (
-                    data.get("version") == 1 and len(model_weight_files(model_dir)) == 1)):
+                    data.get("version") == 1 and len(model_weight_files(model_dir)) == 1)) and \
+                    all(isinstance(data[k], str) and data[k].startswith("sha256:") for k in ("base", "tokenizer")):
                 return Fingerprints(data["base"], data["tokenizer"])  # version 1 = 2 for one file
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            pass  # a damaged cache is simply recomputed
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            pass  # a damaged (or unreadable) cache is simply recomputed
     result = compute_fingerprints(model_dir)
     payload = {"version": CACHE_VERSION, "base": result.base, "tokenizer": result.tokenizer,
                "files": stats}
@@ -129,7 +130,10 @@ def _base_digest(model_dir: Path, config: dict, vocab: str, by_shard: bool) -> s
     size = sum(file.stat().st_size for file in files)
     with ExitStack() as stack, tqdm(total=size, unit="B", unit_scale=True, desc=f"fingerprinting {model_dir.name}",
                                     file=sys.stderr, disable=None if size > _PROGRESS_BYTES else True) as bar:
-        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        try:
+            handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        except (SafetensorError, OSError) as err:
+            raise KvshareError(f"{model_dir}: not a valid safetensors file ({err})") from None
         order = [(name, handle, file) for file, handle in zip(files, handles) for name in sorted(handle.keys())]
         if not by_shard:
             shard_of: dict[str, str] = {}
@@ -141,7 +145,11 @@ def _base_digest(model_dir: Path, config: dict, vocab: str, by_shard: bool) -> s
         for name, handle, _ in order:
             if name in skip:
                 continue
-            tensor = handle.get_tensor(name).contiguous()
+            try:
+                tensor = handle.get_tensor(name).contiguous()
+            except (SafetensorError, OSError) as err:  # a header that lies about offsets or dtypes
+                raise KvshareError(f"{model_dir}: {name!r} cannot be read: not a valid safetensors file ({err})") \
+                    from None
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
             digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
             bar.update(tensor.nbytes)

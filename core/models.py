@@ -118,6 +118,9 @@ def check_model_dir(model_dir: Path) -> dict:
             f"{model_dir}: model_type {family!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
         )
+    if config.get("transformers_weights"):  # transformers would load that file; kvshare reads model.safetensors
+        raise KvshareError(f"{model_dir}: config.json names its weights (transformers_weights), which kvshare "
+                           "does not follow; save the model again with save_pretrained")
     model_weight_files(model_dir)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise KvshareError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")

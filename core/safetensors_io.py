@@ -67,12 +67,16 @@ def read_tensor_file(path: Path) -> tuple[bytes, dict[str, torch.Tensor]]:
 
 
 def model_weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face model folder (single file or sharded).
+    """The safetensors files of a Hugging Face model folder (single file or sharded), in
+    transformers' order: ``model.safetensors`` where there is one (a folder saved over
+    again may keep an older index beside it, or the reverse), else the index's shards.
 
     Refuses folders that only hold pickle checkpoints, naming the file found.
     """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
     if index.is_file():
         data = read_json(index)
         weight_map = data.get("weight_map")
@@ -88,9 +92,6 @@ def model_weight_files(model_dir: Path) -> list[Path]:
             if not file.is_file():
                 raise KvshareError(f"{index} names {file.name}, which is missing")
         return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
     refuse_pickles(model_dir, what="model weights")
     raise KvshareError(f"{model_dir}: no model.safetensors found")
 

@@ -53,8 +53,22 @@ def hotpotqa_eval_ids(folder: str | None = None) -> frozenset[str]:
     path = path / "hotpotqa" / "dev_hard_500.jsonl"
     if not path.is_file():
         return frozenset()
-    with open(path, encoding="utf-8") as handle:
-        return frozenset(json.loads(line)["_id"] for line in handle if line.strip())
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return frozenset(json.loads(line)["_id"] for line in handle if line.strip())
+    except _DAMAGED as err:
+        raise damaged(path, err) from None
+
+
+# what reading a damaged evaluation file raises (not JSON or UTF-8, a record without its fields)
+_DAMAGED = (ValueError, KeyError, TypeError, IndexError, EOFError, OSError)
+
+
+def damaged(where: Path, err: BaseException) -> KvshareError:
+    """One clear error for a damaged evaluation file: every training run reads them to guard
+    its data, so a traceback here would stop training on any data."""
+    return KvshareError(f"an evaluation file under {where} is damaged ({type(err).__name__}: {err}); "
+                        "restore it from the shared data")
 
 
 def is_eval_record(source: str, record_id: str) -> bool:
@@ -158,7 +172,11 @@ def eval_guard(folder: str | None = None) -> EvalGuard:
     heads: dict[str, list[str]] = {}
     short: dict[tuple[str, ...], str] = {}
     if root is not None and root.is_dir():
-        for name, record_id, question in _eval_questions(root):
+        try:
+            questions = list(_eval_questions(root))
+        except _DAMAGED as err:
+            raise damaged(root, err) from None
+        for name, record_id, question in questions:
             if record_id:
                 ids[str(record_id)] = name
             words = _words(question)

@@ -13,6 +13,7 @@ Training runs are resumed or skipped when their adapter already exists, so a sec
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,8 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
             if not recipe_path.is_file():
                 raise KvshareError(f"{recipe_path} not found: run the demo from a kvshare checkout")
             recipe = load_recipe(recipe_path, [
-                f"base_model={model}", f"output_dir={out}", f"train.max_steps={steps}",
+                # JSON strings are YAML: a path with " #" or ": " stays one string
+                f"base_model={json.dumps(str(model))}", f"output_dir={json.dumps(str(out))}", f"train.max_steps={steps}",
                 f"train.save_every={max(steps // 2, 1)}", "train.log_every=2",
                 f"data.sources=[{{name: gsm8k, limit: {examples}}}]"])
             resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())

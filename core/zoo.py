@@ -75,9 +75,10 @@ def read_record(name: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):  # damaged (not JSON, not UTF-8) or unreadable: not pulled
         return None
+    return record if isinstance(record, dict) else None
 
 
 def pull(name: str, force: bool = False, log=print) -> Path:
@@ -222,9 +223,11 @@ def _is_intact(target: Path) -> bool:
     except KvshareError:
         return False
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads(record_path.read_text(encoding="utf-8"))
         files = record["files_sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        if not isinstance(files, dict):
+            return False
+    except (ValueError, KeyError, TypeError, OSError):
         return False
     return bool(files) and all(
         (target / fname).is_file() and _sha256(target / fname) == digest

@@ -238,6 +238,40 @@ def test_out_may_not_be_inside_or_around_the_checkpoint(cli, checkpoints, base, 
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("where", ["the base", "a folder of files"])
+def test_force_replaces_only_an_exported_adapter(cli, checkpoints, base, tmp_path, where):
+    """--force deletes what it replaces: a base model's folder (or any folder of other files)
+    is refused untouched."""
+    target = Path(shutil.copytree(base, tmp_path / "base")) if where == "the base" else tmp_path / "work"
+    if where != "the base":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in target.iterdir())
+    result = export(cli, checkpoints["icarus"], "icarus", target if where == "the base" else base, target, "--force")
+    assert_one_line_error(result, "no kvshare.json")
+    assert sorted(p.name for p in target.iterdir()) == before
+
+
+def test_out_through_a_link_loop_or_the_working_folder(cli, checkpoints, base, tmp_path, monkeypatch):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert_one_line_error(export(cli, checkpoints["icarus"], "icarus", base, tmp_path / "loop"), "loop")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)  # an empty working folder, replaced by the adapter
+    assert export(cli, checkpoints["icarus"], "icarus", base, ".", "--force").code == 0
+    assert manifest.read(tmp_path / "here")["name"] == "here"
+
+
+@pytest.mark.parametrize("key,value", [("r", "eight"), ("lora_alpha", [16]), ("target_modules", [1]),
+                                       ("use_rslora", "yes")])
+def test_config_values_of_the_wrong_type_are_one_line_errors(cli, checkpoints, base, tmp_path, key, value):
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    config[key] = value
+    (ckpt / "adapter_config.json").write_text(json.dumps(config))
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), f"{key} must be")
+
+
 def test_failed_export_leaves_nothing_behind(cli, checkpoints, base, tmp_path, monkeypatch):
     """A failure while writing (here: the manifest write) removes the staging folder."""
     from kvshare import export as export_module

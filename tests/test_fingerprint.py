@@ -117,3 +117,34 @@ def test_a_malformed_shard_index_is_a_clear_error(tmp_path, index):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(KvshareError, match="weight_map|JSON object"):
         model_weight_files(tmp_path)
+
+
+def test_a_folder_with_both_one_file_and_an_index_is_read_as_transformers_reads_it(tiny_llama, tmp_path):
+    """A folder saved over again may keep a stale index and shards beside model.safetensors:
+    transformers loads model.safetensors, and so do the fingerprint and the engine."""
+    before = compute_fingerprints(tiny_llama)
+    _sharded_copy(tiny_llama, tmp_path / "sharded")
+    other = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    other.save_pretrained(tmp_path / "other", max_shard_size="20KB")
+    for stale in (tmp_path / "other").glob("model-*.safetensors"):
+        shutil.copy(stale, tiny_llama / stale.name)
+    shutil.copy(tmp_path / "other" / "model.safetensors.index.json", tiny_llama)
+    assert compute_fingerprints(tiny_llama) == before
+
+
+@pytest.mark.parametrize("cache", [b"\xff\xfe", b'{"version": 2, "files": "FILES", "base": null, "tokenizer": null}'])
+def test_a_damaged_cache_is_recomputed(tiny_llama, cache):
+    from kvshare.fingerprint import _file_stats
+
+    right = compute_fingerprints(tiny_llama)
+    (tiny_llama / CACHE_FILE).write_bytes(cache.replace(b'"FILES"', json.dumps(_file_stats(tiny_llama)).encode()))
+    assert fingerprints(tiny_llama) == right
+
+
+def test_damaged_weights_are_a_clear_error(tiny_llama, cli):
+    from conftest import assert_one_line_error
+
+    (tiny_llama / "model.safetensors").write_bytes(b"\x00garbage" * 50)
+    assert_one_line_error(cli("models", "fingerprint", tiny_llama), "not a valid safetensors")

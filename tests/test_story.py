@@ -31,3 +31,21 @@ def test_story_runs_end_to_end_and_reuses_its_adapters(tiny_models, tmp_path, ca
     # adapters of another base in the work folder: a clear error, not a refusal deep in the engine
     with pytest.raises(KvshareError, match="trained on another base"):
         run_story(**{**kwargs, "model": str(tiny_models("llama", seed=1))})
+
+
+def test_a_workdir_with_yaml_characters_is_trained_into_as_named(tiny_models, tmp_path, monkeypatch):
+    """The story's recipe overrides are YAML: a folder named "runs/my demo #2" stays whole."""
+    import kvshare.story as story
+    import kvshare.train.trainer as trainer
+
+    trained = []
+
+    def recorded(recipe, **kwargs):
+        trained.append((recipe.output_dir, recipe.base_model))
+        raise KvshareError("stop here")
+
+    monkeypatch.setattr(trainer, "train", recorded)
+    workdir = tmp_path / "my demo #2: x"
+    with pytest.raises(KvshareError, match="stop here"):
+        story.train_adapters(str(tiny_models("llama")), workdir, steps=2, examples=4)
+    assert trained == [(str(workdir / "math-icarus"), str(tiny_models("llama")))]

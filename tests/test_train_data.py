@@ -171,3 +171,17 @@ def test_the_guard_ignores_a_shared_phrase(data):
     assert guard.match(texts=[question]) == "gsm8k test"
     assert guard.match(texts=[" ".join(words[:-3])]) is None
     assert guard.match(texts=["Intro. " + question + " Explain."]) == "gsm8k test"
+
+
+@pytest.mark.parametrize("relative,line", [("gsm8k/test.jsonl", '{"question": "x"'),
+                                           ("hotpotqa/dev_hard_500.jsonl", '{"question": "no id"}')])
+def test_a_damaged_evaluation_file_is_one_clear_error(tmp_path, relative, line):
+    """Every training run reads the evaluation files to guard its data: a damaged one names
+    the data folder instead of a traceback."""
+    (tmp_path / relative).parent.mkdir(parents=True)
+    (tmp_path / relative).write_text(line + "\n")
+    with pytest.raises(KvshareError, match="evaluation file .* is damaged"):
+        eval_guard.__wrapped__(str(tmp_path))
+    if relative.startswith("hotpotqa"):
+        with pytest.raises(KvshareError, match="is damaged"):
+            hotpotqa_eval_ids.__wrapped__(str(tmp_path))

