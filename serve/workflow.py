@@ -128,8 +128,9 @@ class ServerBackend:
         (vLLM's field) makes every call generate ``max_tokens``, as the in-process backend does.
         ``text_prompts`` sends the prompt as text, for routers that take no token ids (``smg``);
         the server tokenises it again, which may split the text differently than the ids did.
-        ``retries``: a call that fails to connect, gets a 5xx or a stream cut short (a replica
-        that died) is sent again, up to this many times, ``retry_delay_s`` apart. ``calls``
+        ``retries``: a call that fails to connect, gets a 5xx (before or inside its stream) or
+        a stream cut short (a replica that died) is sent again, up to this many times,
+        ``retry_delay_s`` apart. ``calls``
         logs every answered call with the replica that served it (``x-kvshare-replica``)."""
         import openai
 
@@ -149,8 +150,11 @@ class ServerBackend:
                 answer = await self._complete_once(prompt, adapter, max_tokens, hints, attempt)
                 self.calls[-1]["start"] = start
                 return answer
-            except (openai.APIConnectionError, openai.InternalServerError, _CutShort):
-                if attempt == self.retries:
+            except (openai.APIConnectionError, openai.InternalServerError, _CutShort, openai.APIError) as err:
+                # a plain APIError is an error event inside the stream: the replica failed the
+                # call after it began (a 5xx code) or refused it (a 4xx code: no retry)
+                in_stream = type(err) is openai.APIError
+                if attempt == self.retries or (in_stream and not str(err.code or "").startswith("5")):
                     raise
                 await asyncio.sleep(self.retry_delay_s)
         raise AssertionError("unreachable")

@@ -281,9 +281,11 @@ def test_health_is_503_when_the_engine_thread_is_gone(base):
         assert r.status_code == 500
 
 
-def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypatch):
-    """Steps that fail as a whole (not one request's fault) fail every request; three in a
-    row and /health says so, so a load balancer or Ray stops sending here."""
+@pytest.mark.parametrize("where", ["colocation", "model"])
+def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypatch, where):
+    """Steps that fail as a whole fail every request; three in a row and /health says so, so a
+    load balancer or Ray stops sending here. A broken model fails each request alone (the
+    engine splits the batch), which counts the same: no step served anything."""
     from fastapi.testclient import TestClient
 
     from kvshare.serve.async_engine import UNHEALTHY_AFTER
@@ -291,18 +293,19 @@ def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypat
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
     body = {"model": str(base), "prompt": "hi", "max_tokens": 2}
     with TestClient(create_app(engine)) as client:
-        colocation = client.app.state.runner.colocation
-        real_step = colocation.step
+        target = client.app.state.runner.colocation if where == "colocation" else engine.runner
+        name = "step" if where == "colocation" else "run"
+        real = getattr(target, name)
 
-        def broken():
+        def broken(*args, **kwargs):
             raise RuntimeError("simulated broken device")
 
-        monkeypatch.setattr(colocation, "step", broken)
+        monkeypatch.setattr(target, name, broken)
         for _ in range(UNHEALTHY_AFTER):
             assert client.post("/v1/completions", json=body).status_code == 500
         r = client.get("/health")
         assert r.status_code == 503 and "engine steps failed" in r.json()["error"]["message"]
-        monkeypatch.setattr(colocation, "step", real_step)
+        monkeypatch.setattr(target, name, real)
         assert client.post("/v1/completions", json=body).status_code == 200
         assert client.get("/health").status_code == 200
 

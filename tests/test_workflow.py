@@ -101,6 +101,48 @@ def test_react_against_the_server_with_text_prompts(server, tokenizer):
     assert flow.records[1].cached_tokens > 0  # ICaRus and base share the history's blocks
 
 
+@pytest.mark.parametrize("code,sent", [(500, 2), (400, 1)])
+def test_a_call_failed_inside_its_stream_is_sent_again_only_for_a_server_error(tokenizer, code, sent):
+    """A replica that fails a call after its first token sends an error event in the stream
+    (as vLLM does); the OpenAI client raises a plain APIError for it. A 5xx there is retried
+    like a 5xx status; a 4xx (the request itself) is not."""
+    import json
+
+    import httpx2
+    import openai
+
+    posts = []
+
+    def event(data: dict) -> str:
+        return f"data: {json.dumps(data)}\n\n"
+
+    def chunk(text: str, usage: dict | None = None) -> dict:
+        choices = [] if usage else [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]
+        return {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": choices,
+                "usage": usage}
+
+    def handler(request):
+        posts.append(request)
+        if len(posts) == 1:
+            body = event(chunk("a")) + event({"error": {"message": "boom", "type": "server_error", "param": None,
+                                                        "code": code}})
+        else:
+            body = event(chunk("ok")) + event(chunk("", {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}))
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=(body + "data: [DONE]\n\n"))
+
+    backend = ServerBackend("http://replica/v1", KEY, "m", tokenizer, retries=1, retry_delay_s=0)
+    backend.client = openai.AsyncOpenAI(base_url="http://replica/v1", api_key=KEY, max_retries=0,
+                                        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+    call = backend.complete([1, 2], None, 4, {"workflow_id": "w", "agent_id": "a"})
+    if code >= 500:
+        asyncio.run(call)
+        assert backend.calls[-1]["attempts"] == 2
+    else:
+        with pytest.raises(openai.APIError):
+            asyncio.run(call)
+    assert len(posts) == sent
+
+
 def test_workflow_benchmark_runs_every_mode_and_writes_its_report(tiny_models, tmp_path, monkeypatch):
     """Figures are printed, not asserted; what is asserted is what must hold regardless of speed."""
     from kvshare.eval.perf import workflow
