@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from ...errors import KvshareError
 from ...serve.engine import LLMEngine
+from ...serve.graph_cache import release_compiled_graphs
 from ...serve.sampling import SamplingParams
 from ...serve.step_graph import StepGraph
 from ...splits import require_data_dir
@@ -135,12 +136,17 @@ def run_kvflow_bench(model: str = "smollm2-135m-instruct", fixed_tokens: tuple[i
     if concurrent > 1:
         points.append((mid_fixed, mid_out, concurrent))
     engine = None
+    # the gpu-ratio link's prefill time per token, from one workflow's cold calls at each fixed
+    # length: at the concurrent point the cold calls queue behind each other, so their time to
+    # first token is not one prefill's (the link would come out slower there)
+    calibrated: dict[int, tuple[float, int]] = {}
     results, bar = [], tqdm(total=len(points) * len(links) * len(modes), desc="bench kvflow", unit="run")
     for fixed_len, out_len, flows in points:
         per_call = fixed_len + dynamic_tokens + out_len + block_size
         pool = int(pool_fraction * agents * fixed_len) + flows * per_call  # about half the fixed prompts
         host = 2 * agents * per_call * flows
-        prefill_s_per_token = kv_bytes_per_token = None
+        prefill_s_per_token, kv_bytes_per_token = calibrated.get(fixed_len, (None, None)) if flows > 1 \
+            else (None, None)
         for link in links:
             for mode in modes:
                 if mode == "lru" and link != links[0]:
@@ -152,8 +158,10 @@ def run_kvflow_bench(model: str = "smollm2-135m-instruct", fixed_tokens: tuple[i
                     settings["host_cache_tokens"] = host
                 if mode != "lru":
                     settings["host_bandwidth_gbps"] = _bandwidth(link, prefill_s_per_token, kv_bytes_per_token)
-                del engine  # one engine's KV pool at a time
+                del engine  # one engine's KV pool at a time, and its compiled graphs
+                release_compiled_graphs()
                 engine = LLMEngine(model_dir, **settings)
+                engine.warm_up_all()  # each step bucket compiles before the clock, not inside a call
                 text = hotpot_text_ids(engine.tokenizer, agents * fixed_len + 4096)
                 fixed = [text[i * fixed_len:(i + 1) * fixed_len] for i in range(agents)]
                 records, makespan = run_workflows(engine, fixed, text[agents * fixed_len:], flows, rounds,
@@ -161,6 +169,7 @@ def run_kvflow_bench(model: str = "smollm2-135m-instruct", fixed_tokens: tuple[i
                 if mode == "lru" and prefill_s_per_token is None:  # cold first-round calls
                     cold = sorted(r["ttft_s"] / r["prompt_tokens"] for r in records if r["call"] < agents)
                     prefill_s_per_token, kv_bytes_per_token = cold[len(cold) // 2], engine.kv_bytes_per_token
+                    calibrated.setdefault(fixed_len, (prefill_s_per_token, kv_bytes_per_token))
                 results.append({"mode": mode, "link": "none" if mode == "lru" else link,
                                 "host_bandwidth_gbps": None if mode == "lru" else engine.config.host_bandwidth_gbps,
                                 "fixed_tokens": fixed_len, "dynamic_tokens": dynamic_tokens,
