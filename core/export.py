@@ -29,7 +29,7 @@ from .errors import KvshareError
 from .fingerprint import fingerprints, matches_base
 from .fsutil import fsync_files, replace_dir, write_text_atomic
 from .models import is_hub_id, load_tokenizer, model_family, resolve_model_dir
-from .safetensors_io import tensor_specs
+from .safetensors_io import read_json, tensor_specs
 from .kinds import AdapterKind, kind_spec, parse_kind
 
 
@@ -123,6 +123,8 @@ def export_adapter(
             shutil.copyfile(checkpoint_dir / file, staging / file)
         if tensor_specs(staging / ADAPTER_WEIGHTS) != ckpt.specs:
             raise KvshareError(f"copy of {ADAPTER_WEIGHTS} does not match the source")
+        if read_json(staging / ADAPTER_CONFIG) != ckpt.config:  # what was checked is what ships
+            raise KvshareError(f"{checkpoint_dir / ADAPTER_CONFIG} changed during the export; export it again")
         data["files"] = manifest.file_digests(staging)
         manifest.write(data, staging)
         write_text_atomic(staging / model_card.CARD_FILE, model_card.render(data))

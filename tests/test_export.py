@@ -272,6 +272,24 @@ def test_config_values_of_the_wrong_type_are_one_line_errors(cli, checkpoints, b
     assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), f"{key} must be")
 
 
+def test_a_config_rewritten_during_the_export_is_refused(cli, checkpoints, base, tmp_path, monkeypatch):
+    """The manifest is built from the config that was checked; one rewritten before the copy
+    (a trainer still writing) would ship other settings under it."""
+    from kvshare import export as export_module
+
+    ckpt = copy_ckpt(checkpoints, "lora", tmp_path)
+    check = export_module.check_kind_rules
+
+    def rewritten(*args, **kwargs):
+        config = json.loads((ckpt / "adapter_config.json").read_text())
+        (ckpt / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 99}))
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "check_kind_rules", rewritten)
+    assert_one_line_error(export(cli, ckpt, "lora", base, tmp_path / "o"), "changed during the export")
+    assert not (tmp_path / "o").exists()
+
+
 def test_failed_export_leaves_nothing_behind(cli, checkpoints, base, tmp_path, monkeypatch):
     """A failure while writing (here: the manifest write) removes the staging folder."""
     from kvshare import export as export_module
