@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvshare.errors import KvshareError
 from kvshare.loopback import free_port
@@ -437,3 +438,54 @@ def test_engine_bench_rounds_report_each_figures_median_and_every_rounds_ratios(
     assert "medians of 3 rounds" in table and f"| decode tok/s, batch 1 | " in table and per_round in table
     with pytest.raises(KvshareError, match="at least 1"):
         engine.run_engine_bench(model=str(tiny_models("llama")), rounds=0)
+
+
+def test_engine_bench_ratios_over_rounds_are_medians_of_each_rounds_ratio():
+    """Rounds pair their figures: (100, 40), (90, 60), (110, 50) is 2.5, 1.5, 2.2 per round,
+    so 2.20x, not the 2.00x of the two medians (taken in two different rounds)."""
+    from kvshare.eval.perf import engine
+
+    rounds = [{"decode_b1": {"kvshare": k, "hf": h}} for k, h in ((100.0, 40.0), (90.0, 60.0), (110.0, 50.0))]
+    results = {"decode_b1": {"kvshare": 100.0, "hf": 50.0}, "rounds": rounds}
+    assert engine._ratio(results, "decode_b1", "kvshare", "hf") == pytest.approx(2.2)
+    assert engine._ratio({"decode_b1": {"kvshare": 100.0, "hf": 50.0}}, "decode_b1", "kvshare", "hf") == 2.0
+
+
+def test_hf_prefill_computes_the_last_positions_logits_only():
+    """As transformers' generate, kvshare, vLLM and llama.cpp do: not the whole vocabulary at
+    every prompt position."""
+    from kvshare.eval.perf import engine
+
+    class FakeHF:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, ids, **kwargs):
+            self.calls.append(kwargs)
+
+    hf = FakeHF()
+    engine._hf_prefill_rate(hf, list(range(8)))
+    assert hf.calls and all(call.get("logits_to_keep") == 1 for call in hf.calls)
+
+
+def test_every_backend_is_timed_beside_transformers(tmp_path, tiny_models, monkeypatch):
+    """Each backend's /HF ratio divides figures taken side by side, not the first backend's HF."""
+    from kvshare.eval.perf import engine
+
+    beside = []
+    real = engine._engine_figures
+
+    def recorded(llm, hf, *args):
+        beside.append((llm.engine.config.kernels, hf is not None))
+        return real(llm, hf, *args)
+
+    monkeypatch.setattr(engine, "_engine_figures", recorded)
+    results = engine.run_engine_bench(model=str(tiny_models("llama")), new_tokens=4, quick=True, threads=1,
+                                      kernels=["torch", "int8"], compile="off")
+    assert beside == [("torch", True), ("int8", True)]
+    assert "hf[int8]" in results["decode_b1"]
+    table = engine.markdown(results)
+    r = results["decode_b1"]
+    assert f"{r['kvshare[int8]'] / r['hf[int8]']:.2f}x" in table.splitlines()[2]

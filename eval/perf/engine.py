@@ -14,6 +14,7 @@ the zoo's Q4_1 GGUF of the same model on the same prompt token ids and threads.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import statistics
 import tempfile
@@ -88,11 +89,14 @@ def _pair_step_ratio(llm: LLM, prompt: list[int], adapter: str, times: int = PAI
 
 
 def _hf_prefill_rate(hf, prompt: list[int]) -> float:
+    """transformers' prefill as its ``generate`` runs it: the head over the last position only
+    (``logits_to_keep=1``), as kvshare, vLLM and llama.cpp compute it; the whole vocabulary at
+    every position would add a quarter of SmolLM2's linear work to HF's side."""
     with torch.no_grad():
-        hf(torch.tensor([prompt], device=hf.device))  # warm-up of this shape (a GPU loads kernels lazily)
+        hf(torch.tensor([prompt], device=hf.device), logits_to_keep=1)  # warm-up of this shape (lazy GPU kernels)
         _sync(hf.device)
         start = time.perf_counter()
-        hf(torch.tensor([prompt], device=hf.device))
+        hf(torch.tensor([prompt], device=hf.device), logits_to_keep=1)
         _sync(hf.device)  # the forward is asynchronous there
         return len(prompt) / (time.perf_counter() - start)
 
@@ -118,6 +122,8 @@ def _merge(results: dict, figures: dict, backend: str, first: bool) -> None:
             results[key] = dict(mine) if key == "icarus_step_ratio" else dict(value)
         else:
             results[key][f"kvshare[{backend}]"] = mine
+            if "hf" in value:  # transformers beside this backend
+                results[key][f"hf[{backend}]"] = value["hf"]
 
 
 def _median_of_rounds(rounds: list[dict]) -> dict:
@@ -205,11 +211,13 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                 llm = LLM(model_dir, kv_cache_tokens=max(lengths) + 16 * (256 + new_tokens) + 2048,
                           max_num_batched_tokens=max(lengths), dtype=dtype, device=device, kernels=backend,
                           compile=compile)
-                figures = _engine_figures(llm, hf if first else None, short, batch, prefill_prompts,
-                                          new_tokens, model_dir, steps)
+                # transformers is timed beside every backend: a ratio's two figures minutes apart
+                # compare badly on a shared VM
+                figures = _engine_figures(llm, hf, short, batch, prefill_prompts, new_tokens, model_dir, steps)
                 _merge(figures_of_round, figures, backend, first)
                 if first:  # what does not depend on the backend is measured beside the first engine
-                    results["compiled"] = llm.engine.runner.compiled is not None
+                    compiled = llm.engine.runner.compiled
+                    results["compiled"] = compiled is not None and compiled.unavailable is None
                     if venv:
                         prompts = {"decode_b1": [short], "decode_b16": batch,
                                    "prefill": {str(n): p for n, p in prefill_prompts.items()}}
@@ -399,10 +407,12 @@ def markdown(results: dict) -> str:
     blank = " - | - |" if peer else ""
     for key, label in _figure_rows(results):
         r = results[key]
-        line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {r['kvshare'] / r['hf']:.2f}x |"
-        line += "".join(f" {r[col]:.1f} | {r[col] / r['hf']:.2f}x |" for col in extra)
+        ratio = functools.partial(_ratio, results, key)
+        line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {ratio('kvshare', 'hf'):.2f}x |"
+        line += "".join(f" {r[col]:.1f} | {ratio(col, f'hf[{b}]' if f'hf[{b}]' in r else 'hf'):.2f}x |"
+                        for b, col in zip(backends[1:], extra))
         if peer:
-            line += (f" {r[column]:.1f} | {r['kvshare'] / r[column]:.2f}x |" if r.get(column) else blank)
+            line += (f" {r[column]:.1f} | {ratio('kvshare', column):.2f}x |" if r.get(column) else blank)
         lines.append(line)
     s = results["icarus_step_ratio"]
     steps = [s] + [s[col] for col in extra]
@@ -427,6 +437,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(results: dict, key: str, over: str, under: str) -> float:
+    """``over / under`` of figure ``key``: over several rounds, the median of each round's ratio
+    (two figures of one round were taken side by side; two medians may come from two rounds)."""
+    rounds = [r[key] for r in results.get("rounds", ()) if r[key].get(over) and r[key].get(under)]
+    if rounds:
+        return statistics.median(r[over] / r[under] for r in rounds)
+    return results[key][over] / results[key][under]
+
+
 def _figure_rows(figures: dict) -> list[tuple[str, str]]:
     """The timed rows' keys and labels, in the table's order."""
     return [("decode_b1", "decode tok/s, batch 1"), ("decode_b16", "decode tok/s, batch 16")] + [
@@ -446,7 +465,11 @@ def _rounds_markdown(rounds: list[dict], engines: list[str], peer_column: str | 
               "|---" * (1 + len(pairs)) + "|"]
     for key, title in _figure_rows(rounds[0]):
         row = [r[key] for r in rounds if key in r]
-        cells = [", ".join(f"{r[e] / r[o]:.2f}x" if r.get(e) and r.get(o) else "-" for r in row) for e, o in pairs]
+        def beside(e, o, r):  # transformers as timed beside that backend, where it was
+            return f"hf[{label(e)}]" if o == "hf" and f"hf[{label(e)}]" in r else o
+
+        cells = [", ".join(f"{r[e] / r[beside(e, o, r)]:.2f}x" if r.get(e) and r.get(beside(e, o, r)) else "-"
+                           for r in row) for e, o in pairs]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     for engine in engines:
         steps = [r["icarus_step_ratio"] if engine == "kvshare" else r["icarus_step_ratio"][engine] for r in rounds]
