@@ -416,11 +416,13 @@ class LLMEngine:
             self._ensure_residual_pool()
 
     def kv_demand(self) -> KVDemand:
-        """Blocks the requests here need to take their next step: the running ones (each with
-        room for one more token) and the oldest waiting one (its whole prompt, cached
-        prefixes counted as if absent)."""
+        """Blocks the requests here need to take their next step: the running ones (the
+        distinct blocks they hold, a shared prefix once, and those each needs for one more
+        token) and the oldest waiting one (its whole prompt, cached prefixes counted as if
+        absent)."""
         need = self._blocks.blocks_needed
-        running = sum(need(len(s) + 1) for s in self._scheduler.running)
+        held = {b for s in self._scheduler.running for b in s.block_table}
+        running = len(held) + sum(max(0, need(len(s) + 1) - len(s.block_table)) for s in self._scheduler.running)
         if not self._scheduler.waiting:
             return KVDemand(running)
         head = self._scheduler.waiting[0]

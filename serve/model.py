@@ -112,39 +112,42 @@ class Model:
         stream = kv_cache if isinstance(kv_cache, LayerStream) else None
         if stream is not None:  # one layer of KV at a time, in a local buffer
             meta = stream.begin(meta)
-        h = F.embedding(batch.tokens, self.embed)
-        cos, sin = self.rope(h, meta.positions)
-        if fork is not None:  # RoPE of every key position the residual keys need
-            rope_cos, rope_sin = (t[0] for t in self.rotary(h, torch.arange(fork.max_context, device=h.device)[None]))
+        try:
+            h = F.embedding(batch.tokens, self.embed)
+            cos, sin = self.rope(h, meta.positions)
+            if fork is not None:  # RoPE of every key position the residual keys need
+                positions = torch.arange(fork.max_context, device=h.device)[None]
+                rope_cos, rope_sin = (t[0] for t in self.rotary(h, positions))
 
-        def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-            """A fused projection of rows ``x`` plus each row's LoRA delta (added in place)."""
-            y = kernels.linear.apply(x, weight, bias)
-            return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused]), inplace=True) if groups else y
+            def project(i: int, fused: str, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+                """A fused projection of rows ``x`` plus each row's LoRA delta (added in place)."""
+                y = kernels.linear.apply(x, weight, bias)
+                return kernels.gathered_lora(x, y, groups, lora(i, self.fused[fused]), inplace=True) if groups else y
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+                if stream is not None:
+                    k_cache, v_cache = stream.layer(i)
+                else:
+                    k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # this layer's K and V of every block
+                kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.write_rows)
+                if fork is None:
+                    a = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                else:
+                    a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache,
+                                               residual_stack(i, self.config.hidden_size, self.kv_size),
+                                               fork, rope_cos, rope_sin)
+                if stream is not None:
+                    stream.done_with(i)  # the next layer loads while this one's MLP runs
+                return a
+
+            capture = None
+            if self.hidden_capture is not None:
+                capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
+            h = self.decoder(h, cos, sin, self.layers, project, attend, capture)
+            logits = self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
+        finally:  # also when the step fails: its blocks are freed (and may be lent) right after
             if stream is not None:
-                k_cache, v_cache = stream.layer(i)
-            else:
-                k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]  # this layer's K and V of every block
-            kernels.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.write_rows)
-            if fork is None:
-                a = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            else:
-                a = self._forkkv_attention(i, q, x, k_cache, v_cache, residual_cache,
-                                           residual_stack(i, self.config.hidden_size, self.kv_size),
-                                           fork, rope_cos, rope_sin)
-            if stream is not None:
-                stream.done_with(i)  # the next layer loads while this one's MLP runs
-            return a
-
-        capture = None
-        if self.hidden_capture is not None:
-            capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
-        h = self.decoder(h, cos, sin, self.layers, project, attend, capture)
-        logits = self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
-        if stream is not None:
-            stream.finish()  # the last layer's write-back ran beside the head
+                stream.finish()  # the last layer's write-back ran beside the head
         return logits
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -309,3 +309,56 @@ def test_a_co_located_forkkv_engine_sizes_its_residual_pool_from_its_share(base,
     while colo.has_unfinished():
         done.update({o.request_id: o for o in colo.step() if o.finished})
     assert done[rid].finish_reason == "length"
+
+
+def test_a_failed_streaming_step_lands_its_write_back_before_its_blocks_are_freed(base, tokenizer, monkeypatch):
+    """A step that fails after a layer's write-back started: the write lands before the failed
+    request's blocks are freed (a lender may take them back and write its own KV there)."""
+    import time
+
+    from kvshare.serve.cache import layer_stream
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    events = []
+    write, layer = layer_stream.write_kv_ref, layer_stream.LayerStream.layer
+
+    def slow_write(*args):
+        time.sleep(0.3)
+        events.append("written")
+        return write(*args)
+
+    def failing(self, i):
+        if i == 1:
+            raise RuntimeError("simulated failure in layer 1")
+        return layer(self, i)
+
+    monkeypatch.setattr(layer_stream, "write_kv_ref", slow_write)
+    monkeypatch.setattr(layer_stream.LayerStream, "layer", failing)
+    config = EngineConfig(block_size=4)
+    colo = colocate([(str(base), [], config.updated(kv_cache_tokens=48, kv_stream=True), "long"),
+                     (str(base), [], config.updated(kv_cache_tokens=160), "agents")], lending=True)
+    long = colo.engines["long"]
+    free = long._blocks.free
+    monkeypatch.setattr(long._blocks, "free", lambda seq: (events.append("freed"), free(seq))[1])
+    request = colo.add_request("long", long_prompt(tokenizer, 20), GREEDY)
+    done = {}
+    while colo.has_unfinished():
+        done.update({o.request_id: o for o in colo.step() if o.finished})
+    assert done[request].finish_reason == "error"
+    assert "written" in events and events.index("written") < events.index("freed")
+
+
+def test_demand_counts_a_shared_prefix_once(base):
+    """Three running requests over one cached 2-block prefix hold 2 + 3 blocks and need one
+    more each: 8, not 3 x 4 (a lender counted so lost its reclaim within its home share)."""
+    engine = LLMEngine(base, kv_cache_tokens=64 * 4, block_size=4)
+    prefix = list(range(10, 18))
+    engine.add_request(prefix, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(3):
+        engine.add_request(prefix + [100 + i, 110 + i, 120 + i, 130 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.num_running() == 3 and engine._blocks.pool.num_referenced() == 5
+    assert engine.kv_demand().total == 8

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVDemand:
-    """Blocks an engine needs now: its running requests (one more token each) and the next
-    waiting one (its whole prompt, as if nothing were cached)."""
+    """Blocks an engine needs now: its running requests (the distinct blocks they hold and one
+    more token each) and the next waiting one (its whole prompt, as if nothing were cached)."""
 
     running: int
     next: int = 0
