@@ -100,7 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = [parse_lora_module(v, served_names) for v in args.lora_modules or []]
     config = engine_config_from_args(args)
     colocate = _colocated(args, config)
-    api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or None  # env: not visible in ps
+    # env: not visible in ps; VLLM_API_KEY as vLLM reads it (a vLLM deployment's secret keeps working)
+    api_key = args.api_key or os.environ.get("KVSHARE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvshare: warning: serving on {args.host} without an API key: anyone who can reach "
               "the port can use it (set KVSHARE_API_KEY or --api-key)", file=sys.stderr)
@@ -166,7 +167,8 @@ def register(sub) -> None:
                    help="co-located models lend idle KV blocks to each other (SwiftCache)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (or set KVSHARE_API_KEY, "
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (or set KVSHARE_API_KEY "
+                   "or vLLM's VLLM_API_KEY, "
                    "which other users cannot read from the process list)")
     add_engine_arguments(p)
     add_server_arguments(p)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import time
 import uuid
@@ -618,18 +619,23 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     def logprob_block(texts: dict[int, str], out: RequestOutput, echo: bool) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
-        no logprob, as in OpenAI and vLLM)."""
+        no logprob, as in OpenAI and vLLM). Each position's alternatives hold the chosen token
+        too ("up to logprobs + 1", as OpenAI and vLLM); ``text_offset`` is where each token's
+        text starts in the choice's text."""
         pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
         pairs += [(e["token"], e) for e in out.logprobs]
-        return {"tokens": [texts[t] for t, _ in pairs],
-                "token_logprobs": [e and e["logprob"] for _, e in pairs],
-                "top_logprobs": [e and top_by_text(texts, e["top"]) for _, e in pairs]}
+        tokens = [texts[t] for t, _ in pairs]
+        offsets = list(itertools.accumulate((len(text) for text in tokens[:-1]), initial=0)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [e and e["logprob"] for _, e in pairs],
+                "top_logprobs": [e and top_by_text(texts, {**e["top"], t: e["top"].get(t, e["logprob"])})
+                                 for t, e in pairs],
+                "text_offset": offsets}
 
     def top_by_text(texts: dict[int, str], top: dict[int, float]) -> dict[str, float]:
         """OpenAI keys alternatives by text; tokens that decode alike (partial UTF-8 bytes) keep
-        the best logprob (``top`` comes best first)."""
+        the best logprob."""
         by_text: dict[str, float] = {}
-        for token, logprob in top.items():
+        for token, logprob in sorted(top.items(), key=lambda item: -item[1]):
             by_text.setdefault(texts[token], logprob)
         return by_text
 
@@ -643,6 +649,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                  "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo)}
                 for i, out in enumerate(outs)]
 
+    def utf8(text: str) -> list[int]:
+        """OpenAI's ``bytes`` of a token's text (vLLM's: its UTF-8, U+FFFD where it was cut)."""
+        return list(text.encode("utf-8", errors="replace"))
+
     def chat_choices(tokenizer, outs: list[RequestOutput], logprobs: bool) -> list[dict]:
         """A finished chat's choices (on the tokenizer thread, as :func:`completion_choices`)."""
         texts = token_texts(tokenizer, outs, False) if logprobs else {}
@@ -652,8 +662,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                                       "finish_reason": out.finish_reason}
             if logprobs:
                 choice["logprobs"] = {"content": [
-                    {"token": texts[e["token"]], "logprob": e["logprob"],
-                     "top_logprobs": [{"token": texts[t], "logprob": v} for t, v in e["top"].items()]}
+                    {"token": texts[e["token"]], "logprob": e["logprob"], "bytes": utf8(texts[e["token"]]),
+                     "top_logprobs": [{"token": texts[t], "logprob": v, "bytes": utf8(texts[t])}
+                                      for t, v in e["top"].items()]}
                     for e in out.logprobs]}
             choices.append(choice)
         return choices

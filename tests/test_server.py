@@ -319,6 +319,21 @@ def test_serving_beyond_loopback_without_a_key_warns(cli, tmp_path, monkeypatch)
     assert "warning" not in cli("serve", "--model", missing, "--host", "0.0.0.0").err
 
 
+def test_vllms_api_key_variable_keeps_a_deployment_locked(cli, base, monkeypatch):
+    """A vLLM deployment keeps its key in VLLM_API_KEY: kvshare serve takes it as vLLM does."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    monkeypatch.delenv("KVSHARE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert cli("serve", base, "--kv-cache-tokens", "512").code == 0
+    with TestClient(apps[0]) as local:
+        assert local.get("/v1/models").status_code == 401
+        assert local.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -946,3 +961,26 @@ def test_logprob_responses_are_built_off_the_event_loop(cli, base, monkeypatch):
                                                      "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"]) == 3, r.text
     assert on_loop and not any(on_loop)
+
+
+def test_logprob_fields_are_openais(server):
+    """Completions: each position's alternatives hold the chosen token ("up to logprobs + 1";
+    with logprobs 0, the chosen token alone), and text_offset says where each token's text
+    starts. Chat: every token and alternative has its UTF-8 bytes."""
+    http = httpx.Client(base_url=server["url"], headers=AUTH, timeout=60)
+    for body in ({"logprobs": 0, "temperature": 0}, {"logprobs": 1, "temperature": 1.5, "seed": 3}):
+        r = http.post("/v1/completions", json={"model": "tiny-base", "prompt": [5, 6, 7], "max_tokens": 8,
+                                               "echo": True, **body})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            # keyed by text: a token that decodes like a likelier one (a partial UTF-8 byte) shows its logprob
+            assert top[token] >= logprob - 1e-6 and len(top) <= body["logprobs"] + 1
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        assert choice["text"].startswith(lp["tokens"][0])
+    r = http.post("/v1/chat/completions", json={"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    for entry in r.json()["choices"][0]["logprobs"]["content"]:
+        assert entry["bytes"] == list(entry["token"].encode("utf-8", "replace"))
+        assert all(t["bytes"] == list(t["token"].encode("utf-8", "replace")) for t in entry["top_logprobs"])
