@@ -87,6 +87,31 @@ def test_a_wrong_weight_is_refused():
         cpu_linear.linear_vnni(torch.randn(1, 32).bfloat16(), packed)
 
 
+@needs_bf16
+def test_a_bias_of_another_size_and_a_strided_weight_are_refused():
+    """Raw pointers read N bias values and dense weight blocks: anything else is an error, not
+    a read past the bias or of the wrong blocks."""
+    w = torch.randn(64, 32).bfloat16()
+    x = torch.randn(1, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="bias of 64"):
+        cpu_linear.linear_vnni(x, cpu_linear.pack(w), torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_linear.linear_vnni(x, cpu_linear.pack(w)[::2])
+
+
+def test_an_unbuildable_extension_falls_back_to_the_references(tmp_path, monkeypatch, caplog):
+    """A home the build folder cannot be made in (here: a file): one warning, the torch
+    references serve, no error."""
+    from kvshare.kernels import cpu
+
+    blocker = tmp_path / "home-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVSHARE_HOME", str(blocker))
+    monkeypatch.setattr(cpu, "_built", [])
+    assert cpu.extension() is None and not cpu.available()
+    assert "could not be built" in caplog.text
+
+
 def test_packable_weights():
     assert cpu_linear.packable(torch.zeros(32, 64, dtype=torch.bfloat16))
     assert not cpu_linear.packable(torch.zeros(32, 64))  # float32

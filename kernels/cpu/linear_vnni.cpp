@@ -167,10 +167,13 @@ torch::Tensor multiply(const torch::Tensor& x, const torch::Tensor& rows, const 
 }
 #endif
 
-void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "bfloat16");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kLanes && packed.size(3) == 2, "a weight from linear_vnni_pack");
+  TORCH_CHECK(packed.is_contiguous(), "a weight from linear_vnni_pack (contiguous: it is read as dense blocks)");
   TORCH_CHECK(packed.size(1) * 2 == x.size(-1), "input size ", x.size(-1), " against the weight's ", packed.size(1) * 2);
+  TORCH_CHECK(!bias || bias->numel() == packed.size(0) * kLanes, "a bias of ", packed.size(0) * kLanes,
+              " values (one per output column)");
 }
 
 }  // namespace
@@ -192,7 +195,7 @@ torch::Tensor linear_vnni_pack(torch::Tensor weight) {
 
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
 #if defined(__AVX512BF16__)
-  check_packed(x, packed);
+  check_packed(x, packed, bias);
   return multiply(x, x.reshape({-1, x.size(-1)}).contiguous(), packed, bias, nullptr);
 #else
   TORCH_CHECK(false, "linear_vnni needs a CPU with AVX512-BF16 (this build has none)");
@@ -206,7 +209,7 @@ torch::Tensor linear_vnni_lora(torch::Tensor x, torch::Tensor packed, c10::optio
                                std::vector<torch::Tensor> a, std::vector<torch::Tensor> b_t,
                                std::vector<int64_t> offsets, torch::Tensor index, torch::Tensor scale) {
 #if defined(__AVX512BF16__)
-  check_packed(x, packed);
+  check_packed(x, packed, bias);
   const int64_t K = x.size(-1), N = packed.size(0) * kLanes, parts = static_cast<int64_t>(a.size());
   TORCH_CHECK(static_cast<int64_t>(b_t.size()) == parts && static_cast<int64_t>(offsets.size()) == parts,
               "one A, one B^T and one offset per part");
