@@ -38,7 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -149,11 +149,18 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict]  # text, or OpenAI's content parts (only "text" parts are supported)
+    # OpenAI's roles (system, developer, user, assistant, tool) or any the chat template knows, as vLLM
+    role: str
+    content: str | list[dict] | None = None  # text, OpenAI's content parts ("text" ones), or none (tool calls)
+    # what OpenAI's tool-calling turns carry; the chat template receives them (as in vLLM)
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self, where: str) -> str:
-        """The message's text: content parts joined by newlines, as vLLM does."""
+        """The message's text: content parts joined by newlines, as vLLM does ("" for none)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -729,7 +736,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def chat_tokens(engine: LLMEngine, messages: list[ChatMessage], adapter: str | None) -> list[int]:
         """The prompt a chat runs as for ``adapter`` (:meth:`LLMEngine.chat_prompt`); a 400
         when the chat template refuses the messages."""
-        plain = [{**m.model_dump(), "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
+        plain = [{**m.model_dump(exclude_none=True), "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
         try:
             return await off_loop(engine.chat_prompt, plain, adapter)
         except (TemplateError, ValueError) as err:  # the template refused these messages

@@ -391,6 +391,30 @@ def test_a_step_fault_fails_only_its_request_and_ends_its_stream_with_an_error(s
     assert engine.counters["failed"] >= 2 and engine.stats()["blocks_in_use"] == 0
 
 
+def test_tool_calling_turns_reach_the_chat_template(server, monkeypatch):
+    """OpenAI's tool-calling shapes (an assistant turn of tool_calls and no content, a tool
+    turn with its call id, the developer role) reach the template whole, as in vLLM."""
+    engine = server["engine"]
+    seen = []
+    apply = engine.tokenizer.apply_chat_template
+
+    def recording(messages, *args, **kwargs):
+        seen.append(messages)
+        return apply(messages, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", recording)
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+    r = httpx.post(server["url"] + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"model": "tiny-base", "max_tokens": 2, "messages": messages})
+    assert r.status_code == 200, r.text
+    sent = seen[-1]
+    assert sent[0]["role"] == "developer" and sent[2]["tool_calls"][0]["id"] == "c1" and sent[2]["content"] == ""
+    assert sent[3]["tool_call_id"] == "c1" and "tool_calls" not in sent[1]
+
+
 def test_a_chat_template_error_is_400_and_innocents_go_on(server, monkeypatch):
     """A chat the model's template refuses (here: a role it raises on) is the client's mistake: 400."""
     from kvshare.testing import CHATML_TEMPLATE
