@@ -136,15 +136,15 @@ def test_engine_benchmark_runs_and_icarus_agents_hold_one_agents_kv(tiny_models,
 
 
 def test_engine_benchmark_measures_several_backends_in_one_run(tiny_models, tmp_path):
-    """--kernels torch int8: an engine each, beside the same transformers model; the first keeps
-    the single-backend keys, the second gets its own column (figures printed, not asserted)."""
+    """--kernels torch int8: an engine each, transformers timed beside each; the first keeps the
+    single-backend keys, the second gets its own column and HF figure (printed, not asserted)."""
     from kvshare.eval.perf.engine import run_engine_bench
 
     results = run_engine_bench(model=str(tiny_models("llama")), new_tokens=4, out_dir=tmp_path, quick=True,
                                kernels=["torch", "int8"], threads=1)
     assert results["backends"] == ["torch", "int8"]
     for key in ("decode_b1", "decode_b16", "prefill_128", "prefill_256"):
-        assert set(results[key]) == {"kvshare", "hf", "kvshare[int8]"}
+        assert set(results[key]) == {"kvshare", "hf", "kvshare[int8]", "hf[int8]"}
         assert results[key]["kvshare[int8]"] > 0
     assert results["icarus_step_ratio"]["kvshare[int8]"]["ratio"] > 0
     header = (tmp_path / "engine_bench.md").read_text().splitlines()[0]
