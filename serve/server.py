@@ -134,7 +134,7 @@ class _Lenient(BaseModel):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0 with echo: the prompt alone, scored (vLLM's echo without generation)
     logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
     best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
@@ -146,6 +146,14 @@ class CompletionRequest(_OpenAIRequest):
         super().check_neutral()
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise ApiError(400, "best_of other than n is not supported", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing: it takes echo: true (the prompt alone, scored)",
+                           param="max_tokens")
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the reply is the prompt and its scores, nothing generated."""
+        return self.max_tokens == 0
 
 
 class ChatMessage(_Lenient):
@@ -604,11 +612,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                     await stream.aclose()
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def usage(outs: list[RequestOutput], n: int = 1) -> dict:
+    def usage(outs: list[RequestOutput], n: int = 1, generated: bool = True) -> dict:
         """OpenAI's usage: each prompt's tokens once (its first choice's, which computed what
-        the cache did not hold), every choice's completion tokens."""
+        the cache did not hold), every choice's completion tokens (none for the prompt alone)."""
         firsts = outs[::n]
-        prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
+        prompt = sum(len(o.prompt_token_ids) for o in firsts)
+        completion = sum(len(o.token_ids) for o in outs) if generated else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
@@ -624,13 +633,13 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         ids = list(ids)
         return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))
 
-    def logprob_block(texts: dict[int, str], out: RequestOutput, echo: bool) -> dict:
+    def logprob_block(texts: dict[int, str], out: RequestOutput, echo: bool, generated: bool = True) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
         no logprob, as in OpenAI and vLLM). Each position's alternatives hold the chosen token
         too ("up to logprobs + 1", as OpenAI and vLLM); ``text_offset`` is where each token's
         text starts in the choice's text."""
         pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
-        pairs += [(e["token"], e) for e in out.logprobs]
+        pairs += [(e["token"], e) for e in out.logprobs] if generated else []
         tokens = [texts[t] for t, _ in pairs]
         offsets = list(itertools.accumulate((len(text) for text in tokens[:-1]), initial=0)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [e and e["logprob"] for _, e in pairs],
@@ -651,9 +660,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         decode every prompt and output token and each alternative (the event loop serves
         every other request meanwhile)."""
         texts = token_texts(tokenizer, outs, req.echo) if req.logprobs is not None else {}
-        return [{"index": i, "finish_reason": out.finish_reason,
-                 "text": (tokenizer.decode(out.prompt_token_ids) if req.echo else "") + out.text,
-                 "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo)}
+        generated = not req.prompt_only
+        return [{"index": i, "finish_reason": out.finish_reason if generated else "length",
+                 "text": (tokenizer.decode(out.prompt_token_ids) if req.echo else "") + (out.text if generated else ""),
+                 "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo, generated)}
                 for i, out in enumerate(outs)]
 
     def utf8(text: str) -> list[int]:
@@ -798,9 +808,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         check_limits(req, limits, engine.runner.vocab_size)
         prompts = await prompts_of(req, engine.tokenizer)
         for prompt in prompts:
-            check_prompt(engine, prompt, req.max_tokens)
+            check_prompt(engine, prompt, max(req.max_tokens, 1))
         scored = req.logprobs if req.echo else None
-        params = params_of(req, req.max_tokens, req.logprobs, prompt_logprobs=scored)
+        # the prompt alone is scored by a step that samples one token, which the reply leaves out
+        params = params_of(req, max(req.max_tokens, 1), req.logprobs, prompt_logprobs=scored)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
         # queued before any finishes and they share batches (and the prompt's blocks)
@@ -810,7 +821,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             outs = await unless_gone(request, collect_all(started, base))
             choices = await off_loop(completion_choices, engine.tokenizer, outs, req)
             return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": choices, "usage": usage(outs, req.n)}
+                    "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
 
         def body(delta, finish, opening):
             return {"text": delta or "", "finish_reason": None if opening else finish, "logprobs": None}

@@ -987,6 +987,26 @@ def test_logprob_responses_are_built_off_the_event_loop(cli, base, monkeypatch):
     assert on_loop and not any(on_loop)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, tokenizer):
+    """OpenAI/HELM's prompt scoring (vLLM's echo without generation): the reply is the prompt,
+    every token but the first scored, nothing generated or counted as completion."""
+    http = httpx.Client(base_url=server["url"], headers=AUTH, timeout=60)
+    body = {"model": "tiny-base", "prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == tokenizer.decode([5, 6, 7]) and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 3 and lp["token_logprobs"][0] is None and all(
+        isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == 3
+    scored = http.post("/v1/completions", json={**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][1:] == pytest.approx(scored["token_logprobs"][1:3], abs=1e-6)
+    for wrong, param in (({"echo": False}, "max_tokens"), ({"stream": True}, "echo")):  # echo never streams
+        r = http.post("/v1/completions", json={**body, **wrong})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_logprob_fields_are_openais(server):
     """Completions: each position's alternatives hold the chosen token ("up to logprobs + 1";
     with logprobs 0, the chosen token alone), and text_offset says where each token's text
