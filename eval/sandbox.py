@@ -282,7 +282,11 @@ def homes() -> tuple[str, ...]:
     """The folders that hold users' files (``~/.cache/huggingface/token``, SSH keys): the jail
     covers them with an empty tmpfs (binding back only what the interpreter needs), since a
     jailed program that is not root of the machine runs with the harness's read access."""
-    candidates = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir, "/root", "/home"}
+    try:
+        own = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # a container's uid with no passwd entry
+        own = None
+    candidates = {os.path.expanduser("~"), own, "/root", "/home"}
     found = {os.path.realpath(path) for path in candidates if path and os.path.isdir(path)} - {"/"}
     return tuple(sorted(path for path in found if not any(path.startswith(other + "/") for other in found)))
 

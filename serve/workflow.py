@@ -150,11 +150,8 @@ class ServerBackend:
                 answer = await self._complete_once(prompt, adapter, max_tokens, hints, attempt)
                 self.calls[-1]["start"] = start
                 return answer
-            except (openai.APIConnectionError, openai.InternalServerError, _CutShort, openai.APIError) as err:
-                # a plain APIError is an error event inside the stream: the replica failed the
-                # call after it began (a 5xx code) or refused it (a 4xx code: no retry)
-                in_stream = type(err) is openai.APIError
-                if attempt == self.retries or (in_stream and not str(err.code or "").startswith("5")):
+            except (openai.APIError, _CutShort) as err:
+                if attempt == self.retries or not _retryable(err):
                     raise
                 await asyncio.sleep(self.retry_delay_s)
         raise AssertionError("unreachable")
@@ -190,6 +187,17 @@ class ServerBackend:
 
 class _CutShort(Exception):
     """A streamed reply that ended without its usage chunk."""
+
+
+def _retryable(err: Exception) -> bool:
+    """A failure another try may not meet: no connection, a 5xx status, a stream cut short, or
+    a 5xx error event inside the stream (a plain APIError: the replica failed the call after
+    it began). A 4xx, in the status or in the stream, is the request's own: not retried."""
+    import openai
+
+    if isinstance(err, (_CutShort, openai.APIConnectionError, openai.InternalServerError)):
+        return True
+    return type(err) is openai.APIError and str(err.code or "").startswith("5")
 
 
 @dataclass

@@ -371,3 +371,17 @@ def test_several_greedy_samples_are_refused(tiny_models, tmp_path):
 
     with pytest.raises(KvshareError, match="temperature"):
         evaluate_code("mbpp", str(tiny_models("llama")), None, tmp_path, samples=4)
+
+
+def test_a_uid_without_a_passwd_entry_still_gets_the_homes_covered(monkeypatch):
+    """A container's arbitrary uid has no passwd entry: the jail still covers $HOME and /home."""
+    import pwd
+
+    from kvshare.eval import sandbox
+
+    def unknown(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    monkeypatch.setenv("HOME", "/home")
+    assert "/home" in sandbox.homes()

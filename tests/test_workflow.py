@@ -101,11 +101,11 @@ def test_react_against_the_server_with_text_prompts(server, tokenizer):
     assert flow.records[1].cached_tokens > 0  # ICaRus and base share the history's blocks
 
 
-@pytest.mark.parametrize("code,sent", [(500, 2), (400, 1)])
-def test_a_call_failed_inside_its_stream_is_sent_again_only_for_a_server_error(tokenizer, code, sent):
+@pytest.mark.parametrize("code,sent,in_stream", [(500, 2, True), (400, 1, True), (400, 1, False)])
+def test_a_call_failed_inside_its_stream_is_sent_again_only_for_a_server_error(tokenizer, code, sent, in_stream):
     """A replica that fails a call after its first token sends an error event in the stream
     (as vLLM does); the OpenAI client raises a plain APIError for it. A 5xx there is retried
-    like a 5xx status; a 4xx (the request itself) is not."""
+    like a 5xx status; a 4xx (the request itself), in the stream or as the status, is not."""
     import json
 
     import httpx2
@@ -123,9 +123,11 @@ def test_a_call_failed_inside_its_stream_is_sent_again_only_for_a_server_error(t
 
     def handler(request):
         posts.append(request)
+        error = {"message": "boom", "type": "server_error", "param": None, "code": code}
+        if len(posts) == 1 and not in_stream:
+            return httpx2.Response(code, json={"error": error})
         if len(posts) == 1:
-            body = event(chunk("a")) + event({"error": {"message": "boom", "type": "server_error", "param": None,
-                                                        "code": code}})
+            body = event(chunk("a")) + event({"error": error})
         else:
             body = event(chunk("ok")) + event(chunk("", {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}))
         return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=(body + "data: [DONE]\n\n"))
