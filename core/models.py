@@ -180,8 +180,6 @@ def end_of_sequence_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     end of turn is often not the tokenizer's EOS (Qwen2.5's ``<|im_end|>`` beside
     ``<|endoftext|>``, Llama 3's ``<|eot_id|>``): stopping on the tokenizer's alone, it would
     write the next turns itself."""
-    from .safetensors_io import read_json
-
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name

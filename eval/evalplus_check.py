@@ -3,7 +3,8 @@ sandbox's jail, so that no dataset or generated code runs in the harness's proce
 
 - ``python -m kvshare.eval.evalplus_check expected TASKS.json`` (with
   ``HUMANEVAL_OVERRIDE_PATH`` set) runs the canonical solutions through EvalPlus's
-  ``get_groundtruth`` (its pickle cache pointed at a fresh folder, 250 MB for all 164 tasks) and writes, for
+  ``get_groundtruth`` (its pickle cache pointed at a fresh folder on disk: over 64 MB at 20
+  tasks, more than the jail's /tmp holds) and writes, for
   the i-th task of TASKS.json, ``task-i.pkl``: what judging a solution needs (inputs, entry
   point, tolerance, expected outputs and times).
 - ``python -m kvshare.eval.evalplus_check check TASK.pkl SOLUTION.py VERDICT.json`` judges one

@@ -149,9 +149,9 @@ class AsyncEngine:
             # the engine fails requests one by one (a failing batch is split until each fails
             # alone), so a step is not raising when every step fails: a step whose outputs are all
             # failures counts as failed, one that served anything as healthy
-            errors = sum(out.finish_reason == "error" for out in outputs)
             if outputs:
-                self._failed_steps = self._failed_steps + 1 if errors == len(outputs) else 0
+                failed = all(out.finish_reason == "error" for out in outputs)
+                self._failed_steps = self._failed_steps + 1 if failed else 0
             for out in outputs:
                 failed = out.finish_reason == "error"  # the engine failed this request alone
                 self._deliver(out.request_id, RuntimeError("engine failure while running this request "

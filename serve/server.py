@@ -643,8 +643,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         tokens = [texts[t] for t, _ in pairs]
         offsets = list(itertools.accumulate((len(text) for text in tokens[:-1]), initial=0)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [e and e["logprob"] for _, e in pairs],
-                "top_logprobs": [e and top_by_text(texts, {**e["top"], t: e["top"].get(t, e["logprob"])})
-                                 for t, e in pairs],
+                "top_logprobs": [e and top_by_text(texts, {t: e["logprob"], **e["top"]}) for t, e in pairs],
                 "text_offset": offsets}
 
     def top_by_text(texts: dict[int, str], top: dict[int, float]) -> dict[str, float]:
@@ -746,7 +745,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def chat_tokens(engine: LLMEngine, messages: list[ChatMessage], adapter: str | None) -> list[int]:
         """The prompt a chat runs as for ``adapter`` (:meth:`LLMEngine.chat_prompt`); a 400
         when the chat template refuses the messages."""
-        plain = [{**m.model_dump(exclude_none=True), "content": m.text(f"messages.{i}")} for i, m in enumerate(messages)]
+        plain = [{**m.model_dump(exclude_none=True), "content": m.text(f"messages.{i}")}
+                 for i, m in enumerate(messages)]
         try:
             return await off_loop(engine.chat_prompt, plain, adapter)
         except (TemplateError, ValueError) as err:  # the template refused these messages

@@ -64,7 +64,7 @@ def encode_base_kv(peft_model, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None) -> KV:
     """Every layer's (key, value) from the frozen base: the adapter is switched off. Only the
     cache is read: one position's logits are computed, not the whole vocabulary's at every
-    position (about a tenth of a 1k-token training step on SmolLM2)."""
+    position (thrown away)."""
     base = peft_model.get_base_model()
     with peft_model.disable_adapter(), _without_checkpointing(base):
         out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)

@@ -91,7 +91,7 @@ def _pair_step_ratio(llm: LLM, prompt: list[int], adapter: str, times: int = PAI
 def _hf_prefill_rate(hf, prompt: list[int]) -> float:
     """transformers' prefill as its ``generate`` runs it: the head over the last position only
     (``logits_to_keep=1``), as kvshare, vLLM and llama.cpp compute it; the whole vocabulary at
-    every position would add a quarter of SmolLM2's linear work to HF's side."""
+    every position made HF's 1k-token prefill 26% slower here (results/engine-cpu-bf16/session29)."""
     with torch.no_grad():
         hf(torch.tensor([prompt], device=hf.device), logits_to_keep=1)  # warm-up of this shape (lazy GPU kernels)
         _sync(hf.device)
@@ -409,8 +409,7 @@ def markdown(results: dict) -> str:
         r = results[key]
         ratio = functools.partial(_ratio, results, key)
         line = f"| {label} | {r['kvshare']:.1f} | {r['hf']:.1f} | {ratio('kvshare', 'hf'):.2f}x |"
-        line += "".join(f" {r[col]:.1f} | {ratio(col, f'hf[{b}]' if f'hf[{b}]' in r else 'hf'):.2f}x |"
-                        for b, col in zip(backends[1:], extra))
+        line += "".join(f" {r[col]:.1f} | {ratio(col, _hf_beside(r, b)):.2f}x |" for b, col in zip(backends[1:], extra))
         if peer:
             line += (f" {r[column]:.1f} | {ratio('kvshare', column):.2f}x |" if r.get(column) else blank)
         lines.append(line)
@@ -435,6 +434,13 @@ def markdown(results: dict) -> str:
     if results.get("rounds"):
         lines += _rounds_markdown(results["rounds"], ["kvshare"] + extra, column)
     return "\n".join(lines) + "\n"
+
+
+def _hf_beside(figures: dict, backend: str) -> str:
+    """The key of transformers' figure timed beside ``backend`` (reports from before each
+    backend had its own: the first backend's, ``"hf"``)."""
+    key = f"hf[{backend}]"
+    return key if key in figures else "hf"
 
 
 def _ratio(results: dict, key: str, over: str, under: str) -> float:
@@ -463,12 +469,10 @@ def _rounds_markdown(rounds: list[dict], engines: list[str], peer_column: str | 
     label = lambda engine: "kvshare" if engine == "kvshare" else engine[len("kvshare["):-1]  # noqa: E731
     lines += ["| figure | " + " | ".join(f"{label(e)}/{names[o]} per round" for e, o in pairs) + " |",
               "|---" * (1 + len(pairs)) + "|"]
+    under = lambda e, o, r: _hf_beside(r, label(e)) if o == "hf" else o  # noqa: E731
     for key, title in _figure_rows(rounds[0]):
         row = [r[key] for r in rounds if key in r]
-        def beside(e, o, r):  # transformers as timed beside that backend, where it was
-            return f"hf[{label(e)}]" if o == "hf" and f"hf[{label(e)}]" in r else o
-
-        cells = [", ".join(f"{r[e] / r[beside(e, o, r)]:.2f}x" if r.get(e) and r.get(beside(e, o, r)) else "-"
+        cells = [", ".join(f"{r[e] / r[under(e, o, r)]:.2f}x" if r.get(e) and r.get(under(e, o, r)) else "-"
                            for r in row) for e, o in pairs]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     for engine in engines:
