@@ -7,6 +7,9 @@ asked for are written."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +21,21 @@ from kvshare.kernels.attention import paged_attention_ref
 def test_the_kernel_builds_here():
     """Else the backend quietly serves the reference, and the tests below compare it with itself."""
     assert cpu.available()
+
+
+def test_a_build_killed_half_way_does_not_stall_the_next():
+    """torch's build guard is a ``lock`` file that a killed build leaves behind; the next load
+    waited on it forever. Loading the built extension again with such a file in its folder
+    finishes, and the file goes."""
+    assert cpu.available()
+    folder = Path(cpu.extension().__file__).parent
+    (folder / "lock").touch()
+    loaded = []
+    worker = threading.Thread(target=lambda: loaded.append(cpu._build()), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert loaded and loaded[0] is not None
+    assert not (folder / "lock").exists()
 
 
 def _case(gen: torch.Generator, rows_per_seq: list[list[int]], n_q: int, n_kv: int, d: int, block: int,

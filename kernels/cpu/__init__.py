@@ -27,6 +27,8 @@ the slot stacks in the same pass; :mod:`.linear`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import threading
@@ -75,13 +77,29 @@ def _build():
         digest = hashlib.sha256("\0".join((*sources, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
         folder = kvshare_home() / "ext" / f"cpu-{digest}"
         folder.mkdir(parents=True, exist_ok=True)
-        return load(name=f"kvshare_cpu_{digest}", sources=[str(path) for path in _SOURCES], build_directory=str(folder),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_guard(folder):
+            return load(name=f"kvshare_cpu_{digest}", sources=[str(path) for path in _SOURCES], build_directory=str(folder),
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja: the reference serves, slower
         log.warning("kvshare: the C++ CPU kernels could not be built (%s); using the torch "
                     "references", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _build_guard(folder: Path):
+    """One build or load of the extension at a time per folder, across processes, held by an
+    OS lock that dies with its holder. torch's own guard is a ``lock`` file that a build killed
+    half-way leaves behind, and every later process then waits on it forever; holding our lock
+    proves no build runs, so such a file is stale and goes."""
+    with open(folder / "kvshare-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def available() -> bool:
