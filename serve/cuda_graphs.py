@@ -202,7 +202,7 @@ class GraphedStep(BucketedStep):
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             write_kv(k_cache, v_cache, k, v, slots)
-            out = torch.empty_like(q)  # pad rows' lines are never written nor read
+            out = torch.empty_like(q)  # pad rows: zeros where keys are split, else never written
             launch_paged_attention(out, partials, q, k_cache, v_cache, positions, loc, tables, self.block_size,
                                    m.scale, launch)
             return out

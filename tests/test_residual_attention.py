@@ -253,6 +253,9 @@ def test_triton_prefill_longer_than_a_tile():
     want = residual_attention_ref(**case, meta=meta, residual=residual, scale=0.3)
     got = fast.residual_attention(**case, meta=meta, residual=residual, scale=0.3)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    case["q"] = case["q"].transpose(1, 2).contiguous().transpose(1, 2)  # head dims strided: same result
+    torch.testing.assert_close(fast.residual_attention(**case, meta=meta, residual=residual, scale=0.3), want,
+                               atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.triton

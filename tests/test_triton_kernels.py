@@ -111,6 +111,35 @@ def test_attention_split_over_the_keys_equals_the_reference(splits, n_q, n_kv, p
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_split_keys_leave_a_graphs_pad_rows_zero_whatever_the_scratch_held():
+    """A CUDA graph runs a fixed number of rows; the rows past the step's last sequence get no
+    partials, and their merge must not read what the scratch held before (NaN here)."""
+    from kvshare.kernels.triton.attention import launch_paged_attention, launch_shape
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, n_blocks, n_q, n_kv, d, pad = 4, 60, 4, 2, 8, 3
+    tables, row_seq, positions, slots = random_batch(gen, block_size, n_blocks, [(50, [50]), (30, [30, 30])])
+    meta = build_attention_metadata(row_seq, positions, slots, tables, block_size, device=DEVICE)
+    k_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
+    rows = len(row_seq)
+    q = torch.randn(rows + pad, n_q, d, generator=gen).to(DEVICE)
+    size = rows + pad  # the graph's rows: pad sequences without rows, as serve/cuda_graphs.py lays them out
+    loc = torch.cat([meta.query_start_loc, torch.full((size - 2,), rows, dtype=torch.int32, device=DEVICE)])
+    table = torch.zeros(size, meta.block_tables.shape[1], dtype=meta.block_tables.dtype, device=DEVICE)
+    table[:2] = meta.block_tables
+    positions_padded = torch.cat([meta.positions, torch.zeros(pad, dtype=meta.positions.dtype, device=DEVICE)])
+    launch = launch_shape(n_q, n_kv, size, 2, 51, q.device, splits=3)
+    nan = torch.full((size, n_q, 3), float("nan"), device=DEVICE)
+    partials = torch.full((size, n_q, 3, d), float("nan"), device=DEVICE), nan, nan.clone()
+    out = torch.full_like(q, float("nan"))
+    launch_paged_attention(out, partials, q, k_cache, v_cache, positions_padded, loc, table, block_size,
+                           d ** -0.5, launch)
+    torch.testing.assert_close(out[:rows], REF.paged_attention(q[:rows], k_cache, v_cache, meta, d ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[rows:], torch.zeros_like(out[rows:]))
+
+
 def test_keys_are_split_only_while_the_grid_leaves_the_gpu_idle(monkeypatch):
     import kvshare.kernels.triton.attention as attention
 
@@ -139,6 +168,9 @@ def test_attention_reads_a_strided_layer_of_the_engine_cache():
     dense = cache[:, 1].contiguous()  # the same numbers, blocks back to back
     torch.testing.assert_close(want, REF.paged_attention(q, dense[:, 0], dense[:, 1], meta, 0.3), atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    heads_last = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same q, head dims strided
+    torch.testing.assert_close(FAST.paged_attention(heads_last, cache[:, 1, 0], cache[:, 1, 1], meta, 0.3), want,
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "icarus-pairs"])
@@ -361,6 +393,31 @@ def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths
         y = linear_lora(x, weight, b, parts, index, scale)
     torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
     assert sum(launched.values()) == 1, launched
+
+
+@pytest.mark.parametrize("rows", [2, 5])
+def test_linear_lora_keeps_one_rows_nan_delta_to_that_row(rows):
+    """A tenant's adapter gone NaN (or an overflowed delta) spoils its own row only: an ICaRus
+    pair's base row and every other row keep ``x W^T`` exactly, as in the reference."""
+    import torch.nn.functional as F
+
+    from kvshare.kernels.triton.linear_lora import fits, linear_lora
+
+    gen = torch.Generator().manual_seed(11)
+    slots, rank, d_in, d_out = 2, 8, 64, 64
+    x = torch.randn(rows, d_in, generator=gen).to(DEVICE)
+    weight = torch.randn(d_out, d_in, generator=gen).to(DEVICE)
+    a = torch.randn(slots, rank, d_in, generator=gen).to(DEVICE)
+    b_t = torch.randn(slots, rank, d_out, generator=gen).to(DEVICE)
+    a[1, 0, 0] = float("nan")
+    index = torch.tensor([-1, 1, 0, -1, 0][:rows], device=DEVICE)
+    scale = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0][:rows], device=DEVICE)
+    assert fits(x, weight, [(0, a, b_t)])
+    y = linear_lora(x, weight, None, [(0, a, b_t)], index, scale)
+    assert torch.isnan(y[1]).all()
+    clean = [r for r in range(rows) if r != 1]
+    assert torch.isfinite(y[clean]).all()
+    torch.testing.assert_close(y[0], F.linear(x, weight)[0], atol=1e-4, rtol=1e-5)
 
 
 def test_linear_lora_declines_what_it_cannot_take():

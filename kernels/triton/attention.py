@@ -119,13 +119,16 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_best_ptr, part_total_ptr, out_ptr, stride_or, stride_oh,
-                         num_splits, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One program per (row, query head): rescale each split to the largest max and sum."""
+def _merge_splits_kernel(part_acc_ptr, part_best_ptr, part_total_ptr, out_ptr, loc_ptr, stride_or, stride_oh,
+                         num_splits, num_seqs, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr):
+    """One program per (row, query head): rescale each split to the largest max and sum. A row
+    past the last sequence's (a CUDA graph's pad row) had no partials written: it reads none
+    of the scratch's leftovers and gets zeros."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
+    split_ok = splits < tl.where(row < tl.load(loc_ptr + num_seqs), num_splits, 0)
     part = (row * tl.num_programs(1) + head) * num_splits + splits
     best = tl.load(part_best_ptr + part, mask=split_ok, other=-1.0e30)
     total = tl.load(part_total_ptr + part, mask=split_ok, other=0.0)
@@ -214,7 +217,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
     require_gpu_tensor(q, INTERPRETED)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense: the stores assume it, q may not be
     if rows == 0 or not meta.seq_bounds:
         return out
     most_rows = max(end - start for start, end in meta.seq_bounds)  # host-side: no device read
@@ -252,8 +255,8 @@ def launch_paged_attention(out: torch.Tensor, partials: tuple[torch.Tensor, ...]
         PREFETCH=_PREFETCH_TABLE,
     )
     if splits > 1:
-        _merge_splits_kernel[(rows, n_q)](part_acc, part_best, part_total, out, out.stride(0), out.stride(1),
-                                          splits, HEAD_DIM=d, DIM_PAD=dim_pad,
+        _merge_splits_kernel[(rows, n_q)](part_acc, part_best, part_total, out, query_start_loc, out.stride(0),
+                                          out.stride(1), splits, launch.seqs, HEAD_DIM=d, DIM_PAD=dim_pad,
                                           SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
 
 

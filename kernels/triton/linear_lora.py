@@ -100,9 +100,10 @@ def _linear_lora_kernel(
         delta = tl.sum(b.to(tl.float32) * t[:, :, None], axis=1) * scale[:, None]  # (LORA_ROWS, BLOCK_N)
         if LORA_ROWS == ROWS_PAD:
             acc += delta
-        else:  # the LORA_ROWS lines of delta onto the first lines of the ROWS_PAD-line tile
-            pick = (lines[:, None] == lora_lines[None, :]).to(tl.float32)  # (ROWS_PAD, LORA_ROWS)
-            acc += tl.sum(pick[:, :, None] * delta[None, :, :], axis=1)
+        else:  # the LORA_ROWS lines of delta onto the first lines of the ROWS_PAD-line tile, by
+            # selection: a product with 0 would carry one row's NaN or inf into every other row
+            pick = lines[:, None, None] == lora_lines[None, :, None]  # (ROWS_PAD, LORA_ROWS, 1)
+            acc += tl.sum(tl.where(pick, delta[None, :, :], 0.0), axis=1)
     tl.store(y_ptr + lines[:, None] * stride_yr + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=line_ok[:, None] & col_ok[None, :])
 

@@ -135,7 +135,7 @@ def residual_attention(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_cache
     if d % 2:
         raise ValueError("RoPE needs an even head_dim")
     require_gpu_tensor(q, INTERPRETED)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # dense: the stores assume it, q may not be
     if rows == 0 or not meta.seq_bounds:
         return out
     rank = k_res_cache.shape[-1]
