@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = msub.add_parser("fingerprint", help="print a model's base and tokenizer fingerprints",
                         description="Print the base fingerprint (architecture, vocabulary, "
                         "weights) and the tokenizer fingerprint of a model.")
-    p.add_argument("name", help="zoo model name or local Hugging Face folder")
+    p.add_argument("name", help="zoo model name, local Hugging Face folder, or cached hub id (org/name)")
     p.set_defaults(func=_cmd_models_fingerprint)
 
     p = sub.add_parser("export", help="write a PEFT checkpoint as a kvshare adapter",
@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aLoRA invocation string (must encode to adapter_config's alora_invocation_tokens)")
     p.add_argument("--provenance", metavar="JSON_FILE",
                    help="JSON object with recipe, data, steps, seed, final_loss, train_seconds")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace DIR if it is an exported adapter (holds kvshare.json) or empty; "
+                   "any other non-empty folder is refused")
     p.add_argument("--system-prompt", metavar="TEXT",
                    help="the system message the adapter was trained with: served before every conversation "
                    "that brings none (kvshare train records its recipe's data.system_prompt itself)")

@@ -312,7 +312,9 @@ def register(sub) -> None:
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="transformers' dtype (default float32, as users run it by default)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="the engine's compiled CPU step (default auto: on for CPU float32; compiled before timing)")
+                   help="the engine's compiled CPU step (default auto: on CPU in float32 with the torch kernels, and "
+                   "in bfloat16 (torch, int8 or int4 kernels) on CPUs with bfloat16 instructions; compiled "
+                   "before timing)")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every engine this many times in turn and report medians, with each round's "
                    "ratios (default 1; a shared VM's speed drifts over minutes, so compare with 3 or more)")
@@ -373,8 +375,9 @@ def register(sub) -> None:
                    help="with --ray: workflow-affinity routing on, off (Ray's load router), or both (default)")
     p.add_argument("--workflows", type=int, default=8, help="workflows per point (fixed request count)")
     p.add_argument("--pattern", choices=["react", "skewed", "reflexion", "mapreduce"], default="react",
-                   help="react: agents take turns round-robin (default); skewed: the first agent takes half the "
-                   "turns; reflexion: the first agent acts, the second critiques; mapreduce: all but the last "
+                   help="react: agents take turns round-robin (default); skewed: each turn goes to the first "
+                   "agent with probability 1/2, else to another at random; reflexion: the first agent acts, the "
+                   "second critiques; mapreduce: all but the last "
                    "agent read the context at once, the last combines their answers")
     p.add_argument("--turns", type=int, default=4, help="calls per workflow (react, skewed); reflexion: "
                    "turns // 2 rounds (at least one) of an act and a critique")

@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--max-model-len", type=int, help="longest prompt + completion in tokens")
     g.add_argument("--kernels", default="auto",
                    help="kernel backends, comma-separated (torch: the references; cpu: the C++ CPU attention; "
-                   "int8 / int4: weight-only int8 / int4 base; onednn: oneDNN's int8 matmul; triton: GPU kernels); "
+                   "int8 / int4: weight-only int8 / int4 base; onednn: oneDNN's packed float32 linear for the dense "
+                   "projections; triton: GPU kernels); "
                    "default auto: cpu on a "
                    "CPU, torch on a GPU")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",

@@ -7,8 +7,10 @@ server); per-request latencies are histograms, observed when a request ends. vLL
 and ``engine`` labels, so dashboards and routers written for vLLM read a kvshare server
 unchanged. ``kvshare_prefix_cache_hit_tokens_total{kv_kind=...}`` says whose KV the prefix
 cache served: base KV shared by the base and ICaRus adapters (``shared_base``), base KV an
-aLoRA read before its invocation (``alora_pre_invocation``), or KV an adapter owns
-(``lora_private``).
+aLoRA read before its invocation (``alora_pre_invocation``), KV an adapter owns
+(``lora_private``), the shared base part a ForkKV agent resumed from (``forkkv_base``), or
+whole lora K/V reused as it is (``lora_full_reuse``, ``kv_layout="full_reuse"``); the five
+add up to ``kvshare_prefix_hit_tokens_total``.
 
 Co-located models (:class:`~.colocate.Colocation`) share one registry: vLLM's names tell
 them apart by ``model_name`` as always, ours gain a ``model_name`` label (one engine keeps
