@@ -59,8 +59,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.block_table or seq.pinned:
-            self.blocks.free(seq)
+        self.blocks.free(seq)  # also when it holds nothing: it may wait on others' loads, still listed
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -58,7 +58,6 @@ class Sequence:
     hints: AgentHints = field(default_factory=AgentHints)  # what its workflow said about the calls ahead
     agent: tuple[str, str] | None = None  # (workflow, agent) when the hints name the agent
     fixed_blocks: int | None = None  # leading full blocks of the agent's fixed prompt
-    loaded_blocks: int = 0  # prompt blocks loaded back from the host tier on its demand
     pinned: list[int] = field(default_factory=list)  # its chain's blocks held while it waits for loads
     load_wait_s: float = 0.0  # time it waited for them
     waiting_on_loads_since: float | None = None

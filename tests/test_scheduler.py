@@ -3,11 +3,13 @@ the pool, in what order, and that no request waits for ever on one behind it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvshare.kinds import FORKKV_LORA, AdapterKind, kind_spec
 from kvshare.serve.admission import WorkflowAdmission
 from kvshare.serve.cache import BlockManager, HostTier
+from kvshare.serve.cache.block_manager import PrefixLoading
 from kvshare.serve.cache.residual import ResidualCache
 from kvshare.serve.hints import AgentHints
 from kvshare.serve.sampling import SamplingParams
@@ -156,3 +158,91 @@ def test_pins_of_a_request_behind_never_starve_the_first_in_line():
         manager.poll_loads()
     assert "first" in planned(scheduler.schedule())
     assert first.num_computed == 4  # its loaded-back prefix
+
+
+
+def _land(manager: BlockManager) -> None:
+    while manager.loads_in_flight():
+        manager.wait_for_loads(1.0)
+        manager.poll_loads()
+
+
+_evictions = iter(range(1000, 100_000, 100))
+
+
+def _evict_all(manager: BlockManager) -> None:
+    """Six blocks of a new prompt: every idle block of the six goes to the host tier."""
+    start = next(_evictions)
+    _publish(manager, range(start, start + 12), f"evict{start}")
+
+
+def _host_tier_manager() -> BlockManager:
+    """Six device blocks; the prompt [1, 2, 3, 4] (two blocks) pushed out to the host tier."""
+    kv = torch.zeros(6, 1, 2, BS, 1, 4)  # (blocks, layers, K/V, block size, kv heads, head dim)
+    manager = BlockManager(6, BS, "sha256:base", host_tier=HostTier(kv, 16, bandwidth_gbps=1e6))
+    _publish(manager, [1, 2, 3, 4], "a")
+    _evict_all(manager)
+    return manager
+
+
+def test_host_hits_count_the_loaded_blocks_a_request_resumes_from_once():
+    """A request whose pins were given back before it ran loads its prefix again: every load
+    used to count, and host hits came out above all hits."""
+    manager = _host_tier_manager()
+    s = seq([1, 2, 3, 4, 5], "s")
+    for _ in range(2):
+        with pytest.raises(PrefixLoading):
+            manager.allocate(s)
+        manager.release_pins()  # room needed elsewhere: its pins go before it is admitted
+        _land(manager)
+        _evict_all(manager)  # its landed blocks leave again
+    with pytest.raises(PrefixLoading):
+        manager.allocate(s)
+    _land(manager)
+    manager.allocate(s)
+    assert s.num_computed == 4
+    assert manager.stats.hit_tokens == 4 and manager.stats.host_hit_tokens == 4
+
+
+def test_a_failed_copy_back_is_recomputed_and_the_tier_lives_on(monkeypatch):
+    """A copy from the host that raised killed the tier's thread: the request waited on it
+    forever. Now its keys leave the tier, the request computes the prefix, and loads work."""
+    manager = _host_tier_manager()
+    tier = manager.tier
+    copy = tier._copy_in
+    monkeypatch.setattr(tier, "_copy_in", lambda transfer: (_ for _ in ()).throw(RuntimeError("link down")))
+    s = seq([1, 2, 3, 4, 5], "s")
+    with pytest.raises(PrefixLoading):
+        manager.allocate(s)
+    _land(manager)
+    assert tier.stats.loaded_blocks == 0
+    manager.allocate(s)  # nothing left to load: computed from its first block
+    assert s.num_computed == 0 and manager.stats.host_hit_tokens == 0
+    s.num_computed = len(s)
+    manager.register_computed(s)
+    manager.free(s)
+    assert manager.pool.num_referenced() == 0
+    monkeypatch.setattr(tier, "_copy_in", copy)
+    _evict_all(manager)
+    again = seq([1, 2, 3, 4, 6], "again")
+    with pytest.raises(PrefixLoading):
+        manager.allocate(again)
+    _land(manager)
+    manager.allocate(again)
+    assert again.num_computed == 4 and tier.stats.loaded_blocks == 2
+
+
+def test_an_aborted_request_waiting_on_anothers_loads_is_forgotten():
+    """It pinned nothing (the other request's loads fill every block it needs) but was listed
+    as waiting on pins; removing it left it there, prompt and all."""
+    manager = _host_tier_manager()
+    scheduler = Scheduler(manager, 64, 8)
+    first, second = seq([1, 2, 3, 4, 5], "first"), seq([1, 2, 3, 4, 6], "second")
+    scheduler.add(first)
+    scheduler.add(second)
+    assert scheduler.schedule() == []
+    assert "second" in manager.pinned_seqs and not second.pinned
+    scheduler.remove(second)
+    assert "second" not in manager.pinned_seqs
+    _land(manager)
+    assert planned(scheduler.schedule()) == ["first"]

@@ -59,6 +59,7 @@ class BlockInfo:
     parent: bytes | None = None  # key of the block before it in its chain
     readers: set[AgentKey] = field(default_factory=set)  # agents whose fixed prompt passes through it
     dynamic: bool = False  # a hinted request's dynamic suffix (or output), read by no fixed prompt
+    loaded_for: str | None = None  # the request whose demand loaded it back from the host tier
 
 
 class BlockManager:
@@ -92,6 +93,7 @@ class BlockManager:
         self.loading: dict[bytes, int] = {}  # key -> device block a load is filling
         self.pinned_by: dict[int, int] = {}  # block -> how many waiting requests hold it
         self.pinned_seqs: dict[str, Sequence] = {}
+        self.demanded_by: dict[int, str] = {}  # device block a demand load fills -> the request that asked
         self.index.clear()
         self.policy = type(self.policy)()  # a fresh policy of the engine's kind
         self.policy.bind(self.rank, self.is_leaf, self.rank_version)
@@ -177,8 +179,8 @@ class BlockManager:
         self.stats.evictions += 1
 
     def _link(self, block_id: int, key: bytes, owner: str | None, parent: bytes | None,
-              readers: set[AgentKey], dynamic: bool) -> None:
-        self.blocks[block_id] = BlockInfo(key, owner, parent, readers, dynamic)
+              readers: set[AgentKey], dynamic: bool, loaded_for: str | None = None) -> None:
+        self.blocks[block_id] = BlockInfo(key, owner, parent, readers, dynamic, loaded_for)
         if parent is not None:
             self.children[parent] = self.children.get(parent, 0) + 1
 
@@ -207,7 +209,7 @@ class BlockManager:
             seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
                                                         seq.hints.fixed_prefix_tokens, self.block_size)
         hits: list[int] = []
-        stored_under = None  # the last hit's key in the index
+        hit_keys: list[bytes] = []  # the key each hit is stored under (ForkKV: its own or the exact base's)
         for index, key in enumerate(keys):
             block_id, stored_under_now = self.index.lookup(key), key
             if block_id is None and exact is not None:
@@ -222,7 +224,7 @@ class BlockManager:
                         self._load_back(seq, rest, hits)  # raises PrefixLoading if it started loads
                 break
             hits.append(block_id)
-            stored_under = stored_under_now
+            hit_keys.append(stored_under_now)
         fresh = self.blocks_needed(length) - len(hits)
         reusable_evictable = sum(1 for b in hits if b in self.policy)
         if fresh > self.num_free - reusable_evictable:
@@ -237,7 +239,7 @@ class BlockManager:
             self.pool.ref(block_id)
             self._mark_read(seq, index, block_id)
             if self.tier is not None:
-                self.tier.touch(keys[index])  # a hit refreshes recency in both tiers
+                self.tier.touch(hit_keys[index])  # a hit refreshes recency in both tiers
         self.unpin(seq)  # its own references replace the pins
         seq.block_table = hits + [self._take() for _ in range(fresh)]
         for index in range(len(hits), len(keys)):
@@ -247,18 +249,23 @@ class BlockManager:
             self.residual.allocate(seq, res_hits)
             seq.base_cached = seq.num_computed
             seq.num_computed = min(seq.base_cached, seq.res_cached)
-            self.stats.forkkv_base_read_tokens += min(seq.base_cached, len(seq.prompt))
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
-        seq.parent_key = stored_under
+        seq.parent_key = hit_keys[-1] if hits else None
         if seq.waiting_on_loads_since is not None:
             seq.load_wait_s += time.perf_counter() - seq.waiting_on_loads_since
             seq.waiting_on_loads_since = None
         if seq.preemptions:  # admitted again: its prompt was counted once, and its hits now are its own
             return
-        self.stats.queried_tokens += len(seq.prompt)
-        self.stats.hit_tokens += min(seq.num_computed, len(seq.prompt))
-        self.stats.host_hit_tokens += min(seq.loaded_blocks * self.block_size, len(seq.prompt))
+        prompt = len(seq.prompt)
+        self.stats.queried_tokens += prompt
+        self.stats.hit_tokens += min(seq.num_computed, prompt)
+        if seq.forkkv:
+            self.stats.forkkv_base_read_tokens += min(seq.base_cached, prompt)
+        used = hits[:seq.num_computed // self.block_size]  # the hits it resumes from, not all it found
+        self.stats.host_hit_tokens += sum(
+            max(0, min((i + 1) * self.block_size, prompt) - i * self.block_size)
+            for i, block_id in enumerate(used) if self.blocks[block_id].loaded_for == seq.request_id)
         for index, owner, _ in chain[:seq.num_computed // self.block_size]:  # by whose KV they reused
             tokens = min((index + 1) * self.block_size, len(seq.prompt)) - index * self.block_size
             if tokens > 0:
@@ -291,10 +298,10 @@ class BlockManager:
                 on_device.append(block_id)
             elif key in self.loading:
                 loading += 1
-            elif key in self.tier:
+            elif key in self.tier and not self.index.is_pending(key):
                 to_load.append(key)
             else:
-                break  # the chain ends here: recompute from this block on
+                break  # the chain ends here (or a request computes it now): recompute from this block on
         if not loading and not to_load:
             self.unpin(seq)
             return
@@ -312,7 +319,7 @@ class BlockManager:
             block_id = self._start_load(key, demand=True, keep=to_load[i:])
             self.pinned_by[block_id] = self.pinned_by.get(block_id, 0) + 1  # the load's reference is the pin
             seq.pinned.append(block_id)
-            seq.loaded_blocks += 1
+            self.demanded_by[block_id] = seq.request_id
         self.pinned_seqs[seq.request_id] = seq
         if seq.waiting_on_loads_since is None:
             seq.waiting_on_loads_since = time.perf_counter()
@@ -372,11 +379,12 @@ class BlockManager:
         landed = self.tier.landed()
         for transfer in landed:
             block_id = self.loading.pop(transfer.key)
+            asked_by = self.demanded_by.pop(block_id, None)
             owner, parent, readers = self.tier.meta.get(transfer.key, (None, None, set()))
-            if self.index.publish(transfer.key, block_id):
-                self._link(block_id, transfer.key, owner, parent, set(readers), False)
+            if transfer.error is None and self.index.publish(transfer.key, block_id):
+                self._link(block_id, transfer.key, owner, parent, set(readers), False, loaded_for=asked_by)
             if block_id not in self.pinned_by:  # a prefetch, or its request gave up: idle cached
-                self._unref(block_id)
+                self._unref(block_id)  # (a failed copy: nothing published, the block goes free)
         return len(landed)
 
     def loads_in_flight(self) -> int:
@@ -396,8 +404,8 @@ class BlockManager:
         started = 0
         for steps, agent in self.agents.due(within):
             for key in self.agents.fixed_keys.get(agent, ()):
-                if self.index.lookup(key) is not None or key in self.loading:
-                    continue
+                if self.index.lookup(key) is not None or key in self.loading or self.index.is_pending(key):
+                    continue  # there, on its way, or being computed by a request
                 if key not in self.tier:
                     break  # the rest of the chain is not there to load
                 if self.num_free <= reserve:

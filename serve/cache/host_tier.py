@@ -16,6 +16,7 @@ link measurable the tier holds each transfer until ``bytes / bandwidth`` has pas
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
 
 PCIE_GBPS = 25.0  # bytes per second / 1e9 of a PCIe 4.0 x16 link in practice
 
@@ -50,6 +53,7 @@ class Transfer:
     # on CUDA: recorded on the engine's stream when the load was asked for; the copy waits for
     # it, so it lands after every kernel already queued that reads or writes its device block
     after: object = field(default=None, compare=False)
+    error: str | None = field(default=None, compare=False)  # the copy failed: nothing was loaded
 
 
 class HostTier:
@@ -125,9 +129,10 @@ class HostTier:
             self.host_kv[host_block].copy_(self.device_kv[device_block])
         self._hold_for_link(start)
         self.index[key], self.meta[key] = host_block, meta
-        self.stats.offloaded_blocks += 1
-        self.stats.bytes_moved += self.block_bytes
-        self.stats.transfer_seconds += time.perf_counter() - start
+        with self._cond:  # the copy thread adds to the same figures
+            self.stats.offloaded_blocks += 1
+            self.stats.bytes_moved += self.block_bytes
+            self.stats.transfer_seconds += time.perf_counter() - start
         return True
 
     def _free_host_block(self) -> int | None:
@@ -173,11 +178,16 @@ class HostTier:
         return event
 
     def landed(self) -> list[Transfer]:
-        """Loads that finished since the last call (called by the engine thread each step)."""
+        """Loads that finished since the last call (called by the engine thread each step),
+        failed ones too (``error`` set): their keys leave the tier, to be recomputed."""
         with self._cond:
             done, self._landed = list(self._landed), deque()
             for transfer in done:
                 del self.loading[transfer.key]
+                if transfer.error is not None and self.index.get(transfer.key) == transfer.host_block:
+                    del self.index[transfer.key]
+                    self.meta.pop(transfer.key, None)
+                    self.free.append(transfer.host_block)
         return done
 
     def wait(self, timeout: float) -> None:
@@ -199,22 +209,32 @@ class HostTier:
                     continue  # the stale entry of a promoted prefetch
                 current.started = True
             start = time.perf_counter()
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(current.after)  # the engine's earlier kernels are done with the block
-                    self.device_kv[current.device_block].copy_(self.host_kv[current.host_block],
-                                                                     non_blocking=True)
-                self.stream.synchronize()
+            try:
+                self._copy_in(current)
+            except Exception as exc:  # the thread must live on, and the request waiting must hear of it
+                current.error = f"{type(exc).__name__}: {exc}"
+                log.warning("kvshare: loading a KV block back from the host failed (%s); it is recomputed",
+                            current.error)
             else:
-                self.device_kv[current.device_block].copy_(self.host_kv[current.host_block])
-            self._hold_for_link(start)
+                self._hold_for_link(start)
             with self._cond:
-                self.stats.loaded_blocks += 1
-                self.stats.prefetched_blocks += current.priority
-                self.stats.bytes_moved += self.block_bytes
-                self.stats.transfer_seconds += time.perf_counter() - start
+                if current.error is None:
+                    self.stats.loaded_blocks += 1
+                    self.stats.prefetched_blocks += current.priority
+                    self.stats.bytes_moved += self.block_bytes
+                    self.stats.transfer_seconds += time.perf_counter() - start
                 self._landed.append(current)
                 self._cond.notify_all()
+
+    def _copy_in(self, transfer: Transfer) -> None:
+        """Host block -> device block, finished when this returns."""
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(transfer.after)  # the engine's earlier kernels are done with the block
+                self.device_kv[transfer.device_block].copy_(self.host_kv[transfer.host_block], non_blocking=True)
+            self.stream.synchronize()
+        else:
+            self.device_kv[transfer.device_block].copy_(self.host_kv[transfer.host_block])
 
     def _hold_for_link(self, start: float) -> None:
         """On CPU: let the copy take as long as the simulated link would."""

@@ -84,7 +84,8 @@ class ResidualCache:
         seq.res_hashed_blocks = len(hits)
         seq.res_chain_key = self.keys_of[hits[-1]] if hits else None
         seq.res_cached = len(hits) * self.block_size
-        self.stats.hit_tokens += min(seq.res_cached, len(seq.prompt))
+        if not seq.preemptions:  # admitted again after a preemption: its hits now are its own blocks
+            self.stats.hit_tokens += min(seq.res_cached, len(seq.prompt))
 
     def _take(self) -> int:
         if self.pool.num_free:
