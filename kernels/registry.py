@@ -108,6 +108,12 @@ class Kernels:
             if (name, chosen) not in _IMPLEMENTATIONS:
                 raise KvshareError(f"no {chosen!r} implementation of kernel {name!r} "
                                    f"(available: {', '.join(backends(name)) or 'none'})")
+        if device is not None and torch.device(device).type != "cuda" and "triton" in choice.values():
+            from .triton import INTERPRETED  # registered, so importable
+
+            if not INTERPRETED:  # compiled kernels read GPU memory only: say so now, not at the first step
+                raise KvshareError(f"the triton kernels run on a GPU (--device cuda); this engine runs on "
+                                   f"{torch.device(device)}")
         self.choice = choice
         self.paged_attention = _IMPLEMENTATIONS[("paged_attention", choice["paged_attention"])]
         self.write_kv = _IMPLEMENTATIONS[("write_kv", choice["write_kv"])]

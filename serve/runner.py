@@ -124,7 +124,15 @@ class ModelRunner:
 
     def run(self, plans: list[StepPlan], adapters: AdapterSet) -> tuple[Batch, list[int], dict[int, dict]]:
         """Run one step: (the batch, the sampled token of each sampling row in target order,
-        logprob records by logit row for the rows that want them)."""
+        logprob records by logit row for the rows that want them). On a GPU, with this
+        engine's GPU current: Triton launches on the current device and its stream, whatever
+        device the tensors are on (``--device cuda:1``, co-located engines on two GPUs)."""
+        if self.device.type != "cuda":
+            return self._run(plans, adapters)
+        with torch.cuda.device(self.device):
+            return self._run(plans, adapters)
+
+    def _run(self, plans: list[StepPlan], adapters: AdapterSet) -> tuple[Batch, list[int], dict[int, dict]]:
         batch = build_batch(plans, self.block_size, self.device,
                             adapters.residual_index() if self.residual_cache is not None else None)
         kv = self.stream or self.kv_cache

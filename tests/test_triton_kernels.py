@@ -557,3 +557,16 @@ def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error():
     with pytest.raises(KvshareError, match="need tensors on a GPU"):
         require_gpu_tensor(torch.zeros(1), interpreted=False)
     require_gpu_tensor(torch.zeros(1), interpreted=True)  # the interpreter takes CPU tensors
+
+
+def test_an_engine_on_the_cpu_refuses_compiled_triton_kernels_when_built(monkeypatch):
+    """``--device cpu --kernels triton`` on a machine with a GPU: refused when the engine's
+    kernels are chosen, not at its first step (the interpreter takes CPU tensors)."""
+    from kvshare.errors import KvshareError
+
+    if tk.INTERPRETED:
+        assert Kernels("triton", "cpu").choice["paged_attention"] == "triton"
+    monkeypatch.setattr(tk, "INTERPRETED", False)
+    with pytest.raises(KvshareError, match="run on a GPU"):
+        Kernels("triton", "cpu")
+    Kernels("torch", "cpu")
