@@ -9,6 +9,7 @@ read from safetensors only.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -190,6 +191,33 @@ def end_of_sequence_ids(model_dir: Path, tokenizer) -> frozenset[int]:
         ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
         break  # generation_config.json, when there is one, is what generate() follows
     return frozenset(ids)
+
+
+# what a model's generation_config.json may set for sampling, with transformers' defaults
+# (a value equal to its default is no setting, as in GenerationConfig.to_diff_dict)
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+_SAMPLING_VALID = {"temperature": lambda v: 0 <= v < math.inf, "top_p": lambda v: 0 < v <= 1,
+                   "top_k": lambda v: 0 <= v == int(v), "min_p": lambda v: 0 <= v <= 1,
+                   "repetition_penalty": lambda v: 0 < v < math.inf}
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling a model ships in ``generation_config.json`` (Qwen2.5-Instruct: temperature
+    0.7, top_p 0.8, top_k 20, repetition_penalty 1.05), which vLLM (0.8+, its default
+    ``--generation-config auto``) uses for what a request leaves out. transformers' defaults
+    and values out of range are no setting (a broken file must not fail every request)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = read_json(path) if path.is_file() else {}
+    except KvshareError:
+        return {}
+    found = {}
+    for name, default in _SAMPLING_DEFAULTS.items():
+        value = config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != default \
+                and _SAMPLING_VALID[name](value):
+            found[name] = int(value) if name == "top_k" else float(value)
+    return found
 
 
 def load_model(name_or_dir: str | Path, dtype: torch.dtype = torch.float32):

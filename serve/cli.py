@@ -115,7 +115,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
           config=config, limits=server_limits_from_args(args),
           lora_modules=lora_modules, served_model_name=args.served_model_name,
-          enable_lora_loading=enable_loading, colocate=colocate, lending=args.lending)
+          enable_lora_loading=enable_loading, colocate=colocate, lending=args.lending,
+          generation_config=args.generation_config)
     return 0
 
 
@@ -134,7 +135,7 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None, lora_modules: l
         affinity=not args.no_affinity)
     spec = EngineSpec(args.model, tuple(args.adapter or []), engine_config_from_args(args),
                       server_limits_from_args(args), api_key, tuple(args.served_model_name or []) or None,
-                      tuple(lora_modules), enable_loading)
+                      tuple(lora_modules), enable_loading, args.generation_config)
     serve_forever(spec, options, host=args.host, port=args.port, ray_address=args.ray_address)
     return 0
 
@@ -163,6 +164,9 @@ def register(sub) -> None:
                    help="serve another base model in this process, routed by the request's model (repeatable): "
                    '\'{"model": NAME_OR_DIR, "served_model_name": ..., "adapters": [DIR, ...], "kv_cache_tokens": N}\' '
                    "(all but model optional; other engine settings as the main model's)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="as vLLM: auto (default) takes the sampling a request leaves out (temperature, top_p, "
+                   "top_k, min_p, repetition_penalty) from the model's generation_config.json; vllm leaves it off")
     p.add_argument("--lending", action="store_true",
                    help="co-located models lend idle KV blocks to each other (SwiftCache)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

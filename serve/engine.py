@@ -25,7 +25,7 @@ from ..errors import KvshareError
 from ..fingerprint import fingerprints
 from ..hardware import warn_if_bf16_is_slow
 from ..kernels import Kernels
-from ..models import end_of_sequence_ids, load_tokenizer, resolve_model_dir
+from ..models import end_of_sequence_ids, sampling_defaults, load_tokenizer, resolve_model_dir
 from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
 from .batch import StepPlan
@@ -63,6 +63,7 @@ class LLMEngine:
             warn_if_bf16_is_slow("engine dtype bfloat16")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = end_of_sequence_ids(self.model_dir, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.model_dir)  # the server's, for what a request leaves out
         self.fingerprint = fingerprints(self.model_dir).base
         self.runner = ModelRunner(self.model_dir, self.dtype, self.device, config.kv_cache_tokens,
                                   config.kv_cache_bytes, config.block_size, Kernels(config.kernels, config.device),
@@ -110,6 +111,7 @@ class LLMEngine:
         """Load an exported adapter; ``kv_layout="forkkv"`` serves a lora adapter with ForkKV
         (default: the engine's ``kv_layout`` for lora adapters, exact for the other kinds)."""
         if kv_layout == "forkkv":
+            self._adapters.layout_of(path, kv_layout)  # an adapter ForkKV cannot serve: refused before the pool
             self._ensure_residual_pool()
         return self._adapters.load(path, name, kv_layout)
 
@@ -156,11 +158,14 @@ class LLMEngine:
         """One loaded adapter (unknown names are a clear error)."""
         return self._adapters.get(name)
 
-    def chat_prompt(self, messages: list[dict], adapter: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict], adapter: str | None = None, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a chat for ``adapter``, laid out as that adapter was trained: its
         training system prompt first when the conversation brings none; an aLoRA gets the
-        conversation then its invocation (no assistant header); others get the chat template's
-        generation prompt."""
+        conversation then its invocation (no assistant header, whatever
+        ``add_generation_prompt`` says); others get the chat template's generation prompt
+        unless asked not to (or to leave the last message open: ``continue_final_message``).
+        ``template_kwargs``: extra variables for the template (vLLM's ``chat_template_kwargs``)."""
         if not self.tokenizer.chat_template:
             raise KvshareError(f"{self.model_name} has no chat template (a base model?): use an instruct model, "
                                "or add chat_template to its tokenizer_config.json")
@@ -172,8 +177,10 @@ class LLMEngine:
             system = loaded.manifest.get("chat", {}).get("system_prompt")
             if system and not (messages and messages[0].get("role") == "system"):
                 messages = [{"role": "system", "content": system}, *messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=invocation is None,
-                                                 tokenize=True, return_dict=True)["input_ids"]
+        header = add_generation_prompt and invocation is None
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=header,
+                                                 continue_final_message=continue_final_message, tokenize=True,
+                                                 return_dict=True, **(template_kwargs or {}))["input_ids"]
         return list(ids) + (invocation or [])
 
     # requests ----------------------------------------------------------------------------
@@ -404,6 +411,8 @@ class LLMEngine:
         if self.sequences:
             raise KvshareError("join_arena needs an idle engine")
         self._land_loads("join_arena")  # a prefetch's loads write the old memory
+        if stream_rows and self._blocks.residual is not None:  # before anything moves
+            raise KvshareError("the layer-stream cache does not serve ForkKV adapters")
         view = arena.view(name)
         self.runner.use_kv_memory(view)
         if stream_rows:

@@ -44,7 +44,8 @@ COUNTERS = {
     "prefix_hit_tokens": "prompt tokens served from the prefix cache",
     "evictions": "cached KV blocks evicted from the device",
     "preemptions": "running requests preempted for room",
-    "host_hit_tokens": "prompt tokens served from blocks loaded back from the host tier",
+    "host_hit_tokens": "prompt tokens served from blocks loaded back from the host tier at the request's "
+                       "own demand (a prefetched block's hits count in prefix_hit_tokens only)",
     "admission_holds": "times a new workflow's call was held back (once per step it waited)",
     "forkkv_base_read_tokens": "ForkKV: prompt tokens whose base part was read from the cache",
     "forkkv_residual_hit_tokens": "ForkKV: prompt tokens whose residual was read from the cache",

@@ -79,20 +79,22 @@ def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int
 
     ``eos_token_ids``: every end-of-sequence id of the model
     (:func:`kvshare.models.end_of_sequence_ids`). Returns (reason, cut): reason is "stop"
-    or "length" (None: go on); cut is the text length to keep when a stop string matched.
+    or "length" (None: go on); cut is the text length to keep when a stop string matched or a
+    stop token's own text is left out (vLLM's rule; ``include_stop_str_in_output`` keeps both).
     """
     params, token = seq.params, seq.output[-1]
     if not params.ignore_eos and token in eos_token_ids:
         return "stop", None
     if token in params.stop_token_ids:
-        return "stop", None
+        return "stop", None if params.include_stop_str_in_output else len(seq.detokenizer.text) - len(new_text)
     if params.stop and new_text:
         text = seq.detokenizer.text
         longest = max(len(s) for s in params.stop)
         since = max(0, len(text) - len(new_text) - longest + 1)  # a match may straddle the tail
-        hits = [i for i in (text.find(s, since) for s in params.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((text.find(s, since), s) for s in params.stop) if i >= 0]
         if hits:
-            return "stop", min(hits)
+            start, minus_length = min(hits)  # the earliest match (the longest of those that start there)
+            return "stop", start - minus_length if params.include_stop_str_in_output else start
     if len(seq.output) >= params.max_tokens or len(seq) >= max_model_len:
         return "length", None
     return None, None

@@ -80,6 +80,7 @@ class EngineSpec:
     served_model_name: tuple[str, ...] | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora_loading: bool = False
+    generation_config: str = "auto"
 
 
 class KvshareEngine:
@@ -99,7 +100,8 @@ class KvshareEngine:
             engine.load_adapter(path, name)
         self.app = create_app(engine, api_key=spec.api_key, limits=spec.limits,
                               served_model_name=list(spec.served_model_name or []) or None,
-                              enable_lora_loading=spec.enable_lora_loading)
+                              enable_lora_loading=spec.enable_lora_loading,
+                              generation_config=spec.generation_config)
         self.runner = self.app.state.runner
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()

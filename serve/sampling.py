@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text), as vLLM
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
     prompt_logprobs: int | None = None  # same for every prompt token (scoring, as in vLLM)

@@ -20,7 +20,11 @@ together, so the later ones reuse the first's prompt blocks), ``stream_options.i
 chat content-part arrays, ``cache_salt`` (only requests with the same salt share prefix
 blocks), model cards with ``root`` and ``parent``, and, behind a flag,
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. Fields we do not implement are a
-400 that names them.
+400 that names them; vLLM's own request fields are implemented (``include_stop_str_in_output``,
+``truncate_prompt_tokens``, ``request_id``, chat's ``add_generation_prompt``,
+``continue_final_message`` and ``chat_template_kwargs``) or accepted at vLLM's defaults, so a
+client that sends them as vLLM's does gets the same reply. A request that leaves out ``model``
+runs on the first served base, as in vLLM 0.8 and later.
 
 One app can serve several co-located base models (:class:`~.colocate.Colocation`): the
 ``model`` field routes each request to its base's engine (its tokenizer, chat template and
@@ -38,7 +42,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,7 +73,7 @@ class StreamOptions(BaseModel):
     """OpenAI's ``stream_options``: ``include_usage`` ends the stream with a usage chunk."""
 
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool | None = None
+    include_usage: bool | None = True  # vLLM's default: stream_options {} asks for the usage chunk
     continuous_usage_stats: bool | None = None  # vLLM's; refused when true (not implemented)
 
 
@@ -78,12 +82,13 @@ class _OpenAIRequest(BaseModel):
     and ignored when they are at their neutral values."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    model: str | None = None  # left out: the first served base (vLLM 0.8+)
+    # left out: the model's generation_config.json (--generation-config auto), else off (1.0 / 1.0 / off)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 = off; at most the vocabulary
-    min_p: float = Field(0.0, ge=0, le=1)  # vLLM's extension
-    repetition_penalty: float = Field(1.0, gt=0)  # vLLM's extension: over the prompt and the output
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension: over the prompt and the output
     n: int = Field(1, ge=1)  # choices per prompt, at most ServerLimits.max_n
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -101,6 +106,20 @@ class _OpenAIRequest(BaseModel):
     metadata: dict | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM's own fields: implemented ...
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: the context)
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # names the reply's id, as in vLLM
+    # ... or accepted at vLLM's defaults (VLLM_DEFAULTS); another value is a 400 that names it
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_tokens: int = 0
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    return_tokens_as_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -108,7 +127,17 @@ class _OpenAIRequest(BaseModel):
         """OpenAI's optional fields are "X or null"; null asks for the default, as in vLLM."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
+    VLLM_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "min_tokens": 0, "priority": 0,
+        "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+        "allowed_token_ids": None, "bad_words": None}
+
     def check_neutral(self) -> None:
+        for name, default in self.VLLM_DEFAULTS.items():
+            value = getattr(self, name)
+            if value != default and not (default is None and value == []):
+                raise ApiError(400, f"{name}={value!r} is not supported by kvshare (only vLLM's default, "
+                               f"{default!r})", param=name)
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name} is not supported", param=name)
@@ -138,16 +167,19 @@ class CompletionRequest(_OpenAIRequest):
     logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
     best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
-    # vLLM's field: add the tokenizer's special tokens (BOS) to text prompts. Off by default,
-    # unlike vLLM: the engine and lm-eval's HF model take text as given (SmolLM2 has no BOS)
-    add_special_tokens: bool = False
+    # vLLM's field, with its default: text prompts get the tokenizer's special tokens (a BOS
+    # where the model has one; SmolLM2 has none). Token-id prompts are taken as given
+    add_special_tokens: bool = True
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        if self.best_of is not None and self.best_of not in (1, self.n):
+        if self.best_of is not None and self.best_of != self.n:  # below n: vLLM's 400 too
             raise ApiError(400, "best_of other than n is not supported", param="best_of")
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(400, "max_tokens 0 generates nothing: it takes echo: true (the prompt alone, scored)",
+                           param="max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise ApiError(400, "max_tokens 0 (the prompt alone, scored) is not supported with stream",
                            param="max_tokens")
 
     @property
@@ -184,12 +216,51 @@ class ChatMessage(_Lenient):
         return "\n".join(texts)
 
 
+# chat_template_kwargs that would replace what the server itself passes to the template
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+                       "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                       "tokenizer_kwargs", "add_generation_prompt", "continue_final_message"}
+
+
 class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; needs logprobs
+    top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; above 0 needs logprobs
+    # vLLM's chat-template fields (an aLoRA's chat always ends with its invocation instead)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    # tool calling is not implemented: accepted where it asks for none, as vLLM without a tool parser
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    echo: bool = False  # vLLM's chat echo: not implemented
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt: false (a generation prompt "
+                           "after the message would end it)", param="continue_final_message")
+        reserved = sorted(_TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
+                           "fields do)", param="chat_template_kwargs")
+        if self.tools and self.tool_choice != "none":
+            raise ApiError(400, "tool calling is not supported by kvshare (tools need tool_choice: \"none\")",
+                           param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice other than \"none\" or \"auto\" is not supported", param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported",
+                           param="response_format")
+        for name, default in (("echo", False), ("add_special_tokens", False)):
+            if getattr(self, name) != default:
+                raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported in chat by kvshare",
+                               param=name)
 
 
 class TokenizeRequest(BaseModel):
@@ -318,6 +389,24 @@ def _nesting(value, limit: int) -> int:
     return deepest
 
 
+def _raised_in_template(err: BaseException) -> bool:
+    """Whether ``err`` came out of a chat template's own code (jinja2 compiles templates to
+    code named ``<template>``), not out of ours."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone: its body was read, so the next ASGI message is the
+    disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _stop_prefix(text: str, stops: list[str]) -> int:
     """Length of the longest end of ``text`` that begins a stop string: a stream holds it back
     until the next tokens show whether the stop string follows (and would be cut), as vLLM does.
@@ -369,7 +458,7 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
         value = getattr(req, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
             raise ApiError(400, f"{name} must be at most {limits.max_logprobs}", param=name)
-    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+    if isinstance(req, ChatRequest) and req.top_logprobs and not req.logprobs:  # 0 alone asks for nothing (vLLM)
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     hints = req.kvshare_hints
     if hints is not None:
@@ -384,14 +473,19 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
 
 def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                served_model_name: str | list[str] | None = None, max_waiting: int | None = None,
-               limits: ServerLimits | None = None, enable_lora_loading: bool = False) -> FastAPI:
+               limits: ServerLimits | None = None, enable_lora_loading: bool = False,
+               generation_config: str = "auto") -> FastAPI:
     """The app over ``engine``, or over co-located engines (a :class:`Colocation`, served under
     its names; a request's ``model`` picks the engine); ``max_waiting`` overrides
     ``limits.max_waiting`` (one queue for all). One engine answers to every name in
     ``served_model_name`` (vLLM's flag; default: the engine's model name), the first of which
     the model list shows. ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter``. Engines whose config asks for ``warm_up`` compile their steps
-    here, with their adapters loaded, before the app answers."""
+    here, with their adapters loaded, before the app answers. ``generation_config``: "auto"
+    (vLLM's default) takes the sampling a request leaves out from each model's
+    ``generation_config.json``; "vllm" leaves it off (temperature 1, no top-p/k/min-p, no penalty)."""
+    if generation_config not in ("auto", "vllm"):
+        raise KvshareError(f"generation_config must be 'auto' or 'vllm', not {generation_config!r}")
     limits = limits or ServerLimits()
     max_waiting = limits.max_waiting if max_waiting is None else max_waiting
     base_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
@@ -452,24 +546,50 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         """Run CPU-bound ``work`` (tokenising, chat templates) on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work, *args)
 
-    def resolve(model: str) -> tuple[str, LLMEngine, str | None]:
-        """The request's ``model`` -> (served base name, its engine, adapter or None); 404 if unknown."""
+    def resolve(model: str | None) -> tuple[str, LLMEngine, str | None]:
+        """The request's ``model`` -> (served base name, its engine, adapter or None); 404 if
+        unknown. None: the first served base, as vLLM (0.8+) serves a request without one."""
+        if model is None:
+            model = next(iter(colocation.engines))
         try:
             return colocation.resolve(aliases.get(model, model))
         except UnknownModel as err:
             raise ApiError(404, str(err), kind="not_found_error", param="model") from None
 
-    def params_of(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def params_of(req, engine: LLMEngine, max_tokens: int, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's sampling; what it leaves out comes from the model's generation config
+        (unless ``--generation-config vllm``), else is off, as in vLLM."""
         req.check_neutral()
+        shipped = engine.sampling_defaults if generation_config == "auto" else {}
+        chosen = {name: getattr(req, name) if getattr(req, name) is not None else shipped.get(name, neutral)
+                  for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                                        ("repetition_penalty", 1.0))}
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=max(0, req.top_k or 0), min_p=req.min_p,
-                                  repetition_penalty=req.repetition_penalty, cache_salt=req.cache_salt,
+            return SamplingParams(max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+                                  top_k=max(0, min(chosen["top_k"], engine.runner.vocab_size)), min_p=chosen["min_p"],
+                                  repetition_penalty=chosen["repetition_penalty"], cache_salt=req.cache_salt,
                                   ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
             raise ApiError(400, str(err)) from None
+
+    def truncated(req, engine: LLMEngine, tokens: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context length)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return tokens
+        keep = engine.max_model_len if keep == -1 else keep
+        if keep > engine.max_model_len:
+            raise ApiError(400, f"truncate_prompt_tokens ({keep}) exceeds the maximum context length "
+                           f"{engine.max_model_len}", param="truncate_prompt_tokens")
+        return tokens[len(tokens) - keep:] if 0 < keep < len(tokens) else tokens
+
+    def reply_id(prefix: str, req) -> str:
+        """vLLM's reply ids: the client's ``request_id`` when it gives one."""
+        return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
 
     def check_prompt(engine: LLMEngine, tokens: list[int], max_tokens: int) -> None:
         if not tokens:
@@ -537,15 +657,20 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     async def unless_gone(request: Request, work):
         """Await ``work``; if the client disconnects first, cancel it (which aborts its
-        requests and frees their blocks) instead of generating for nobody."""
+        requests and frees their blocks) instead of generating for nobody. The disconnect is
+        awaited, not polled (as vLLM's ``with_cancellation``): hundreds of waiting requests
+        polling ten times a second each took the event loop from the rest."""
         task = asyncio.ensure_future(work)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
                 task.cancel()
-                raise ApiError(499, "the client closed the request")
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise ApiError(499, "the client closed the request")
 
     async def collect(first: RequestOutput, stream, base: str) -> RequestOutput:
         last = first
@@ -654,14 +779,21 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             by_text.setdefault(texts[token], logprob)
         return by_text
 
-    def completion_choices(tokenizer, outs: list[RequestOutput], req: CompletionRequest) -> list[dict]:
+    def echoed(tokenizer, prompt: list[int], text: str | None) -> str:
+        """The prompt as echo returns it: the client's own string (vLLM's ``prompt_text``), or
+        the token ids decoded where it sent ids (or its text was truncated)."""
+        return text if text is not None else tokenizer.decode(prompt)
+
+    def completion_choices(tokenizer, outs: list[RequestOutput], req: CompletionRequest,
+                           prompt_texts: list[str | None]) -> list[dict]:
         """A finished completion's choices: run on the tokenizer thread, since echo and logprobs
         decode every prompt and output token and each alternative (the event loop serves
         every other request meanwhile)."""
         texts = token_texts(tokenizer, outs, req.echo) if req.logprobs is not None else {}
         generated = not req.prompt_only
         return [{"index": i, "finish_reason": out.finish_reason if generated else "length",
-                 "text": (tokenizer.decode(out.prompt_token_ids) if req.echo else "") + (out.text if generated else ""),
+                 "text": (echoed(tokenizer, out.prompt_token_ids, prompt_texts[i // req.n]) if req.echo else "")
+                 + (out.text if generated else ""),
                  "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo, generated)}
                 for i, out in enumerate(outs)]
 
@@ -685,21 +817,25 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             choices.append(choice)
         return choices
 
-    async def prompts_of(req: CompletionRequest, tokenizer) -> list[list[int]]:
+    async def prompts_of(req: CompletionRequest, engine: LLMEngine) -> tuple[list[list[int]], list[str | None]]:
+        """Each prompt's token ids (truncated as asked) and its text as the client sent it
+        (None for token ids, or where truncation dropped part of it)."""
         batch = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]  # an empty list is one empty prompt, refused by check_prompt
         if len(batch) > limits.max_prompts:
             raise ApiError(400, f"{len(batch)} prompts in one request; at most {limits.max_prompts} are allowed",
                            param="prompt")
-        if len(batch) > 1 and req.stream:
-            raise ApiError(400, "a streamed completion takes one prompt", param="prompt")
-        if req.echo and req.stream:
-            raise ApiError(400, "echo is not supported with stream", param="echo")
         texts = [p for p in batch if isinstance(p, str)]
         special = req.add_special_tokens
-        encoded = iter(await off_loop(lambda: [tokenizer.encode(t, add_special_tokens=special)
+        encoded = iter(await off_loop(lambda: [engine.tokenizer.encode(t, add_special_tokens=special)
                                                for t in texts]) if texts else [])
-        return [p if isinstance(p, list) else next(encoded) for p in batch]
+        prompts, prompt_texts = [], []
+        for p in batch:
+            ids = p if isinstance(p, list) else next(encoded)
+            kept = truncated(req, engine, ids)
+            prompts.append(kept)
+            prompt_texts.append(p if isinstance(p, str) and len(kept) == len(ids) else None)
+        return prompts, prompt_texts
 
     @app.get("/health")
     async def health():
@@ -742,15 +878,23 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def version():
         return {"version": __version__}
 
-    async def chat_tokens(engine: LLMEngine, messages: list[ChatMessage], adapter: str | None) -> list[int]:
-        """The prompt a chat runs as for ``adapter`` (:meth:`LLMEngine.chat_prompt`); a 400
-        when the chat template refuses the messages."""
+    async def chat_tokens(engine: LLMEngine, messages: list[ChatMessage], adapter: str | None,
+                          req: ChatRequest | None = None) -> list[int]:
+        """The prompt a chat runs as for ``adapter`` (:meth:`LLMEngine.chat_prompt`), with the
+        request's template fields; a 400 when the chat template refuses the messages."""
         plain = [{**m.model_dump(exclude_none=True), "content": m.text(f"messages.{i}")}
                  for i, m in enumerate(messages)]
+        options = {} if req is None else dict(add_generation_prompt=req.add_generation_prompt,
+                                              continue_final_message=req.continue_final_message,
+                                              template_kwargs=req.chat_template_kwargs)
         try:
-            return await off_loop(engine.chat_prompt, plain, adapter)
+            return await off_loop(lambda: engine.chat_prompt(plain, adapter, **options))
         except (TemplateError, ValueError) as err:  # the template refused these messages
             raise ApiError(400, f"the chat template failed: {err}", param="messages") from None
+        except (TypeError, KeyError, IndexError) as err:  # the template read a field these messages lack
+            if not _raised_in_template(err):
+                raise  # ours: a 500, with its traceback in the log
+            raise ApiError(400, f"the chat template failed: {type(err).__name__}: {err}", param="messages") from None
         except KvshareError as err:  # e.g. the adapter was unloaded since the request named it
             raise ApiError(400, str(err), param="model") from None
 
@@ -786,18 +930,18 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             return [params] * n
         return [replace(params, seed=(params.seed + i + 2 ** 63) % 2 ** 64 - 2 ** 63) for i in range(n)]
 
-    def chunker(rid: str, created: int, req, body):
-        """``chunk`` for :func:`stream_events`: ``body(delta, finish, opening)`` is one choice's
-        content; with ``include_usage`` every chunk has ``usage: null``, as in OpenAI."""
+    def chunker(rid: str, created: int, req, model: str, body):
+        """``chunk`` for :func:`stream_events`: ``body(index, delta, finish, opening)`` is one
+        choice's content; with ``include_usage`` every chunk has ``usage: null``, as in OpenAI."""
         obj = "text_completion" if isinstance(req, CompletionRequest) else "chat.completion.chunk"
         extra = {"usage": None} if req.include_usage else {}
 
         def chunk(index, delta, finish, opening):
-            return {"id": rid, "object": obj, "created": created, "model": req.model,
-                    "choices": [{"index": index, **body(delta, finish, opening)}], **extra}
+            return {"id": rid, "object": obj, "created": created, "model": model,
+                    "choices": [{"index": index, **body(index, delta, finish, opening)}], **extra}
 
         def final(outs):
-            return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [],
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                     "usage": usage(outs, req.n)}
 
         return chunk, final if req.include_usage else None
@@ -805,51 +949,57 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         base, engine, adapter = resolve(req.model)
+        model = req.model or base
         check_limits(req, limits, engine.runner.vocab_size)
-        prompts = await prompts_of(req, engine.tokenizer)
+        prompts, prompt_texts = await prompts_of(req, engine)
         for prompt in prompts:
             check_prompt(engine, prompt, max(req.max_tokens, 1))
         scored = req.logprobs if req.echo else None
         # the prompt alone is scored by a step that samples one token, which the reply leaves out
-        params = params_of(req, max(req.max_tokens, 1), req.logprobs, prompt_logprobs=scored)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        params = params_of(req, engine, max(req.max_tokens, 1), req.logprobs, prompt_logprobs=scored)
+        rid, created = reply_id("cmpl", req), int(time.time())
         # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
         # queued before any finishes and they share batches (and the prompt's blocks)
         jobs = [(prompt, p) for prompt in prompts for p in choice_params(params, req.n)]
         started = await unless_gone(request, start_all(jobs, base, adapter, hints_of(req, request), req.n))
         if not req.stream:
             outs = await unless_gone(request, collect_all(started, base))
-            choices = await off_loop(completion_choices, engine.tokenizer, outs, req)
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            choices = await off_loop(completion_choices, engine.tokenizer, outs, req, prompt_texts)
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
+        echoes = await off_loop(lambda: [echoed(engine.tokenizer, p, t) for p, t in zip(prompts, prompt_texts)]) \
+            if req.echo else []
 
-        def body(delta, finish, opening):
-            return {"text": delta or "", "finish_reason": None if opening else finish, "logprobs": None}
+        def body(index, delta, finish, opening):  # with echo, a choice's first chunk is its prompt (vLLM)
+            text = echoes[index // req.n] if opening and req.echo else delta or ""
+            return {"text": text, "finish_reason": None if opening else finish, "logprobs": None}
 
-        return stream_events(started, base, params.stop, *chunker(rid, created, req, body))
+        return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         base, engine, adapter = resolve(req.model)
+        model = req.model or base
         check_limits(req, limits, engine.runner.vocab_size)
-        prompt = await chat_tokens(engine, req.messages, adapter)
+        req.check_neutral()  # before the template runs with the request's options
+        prompt = truncated(req, engine, await chat_tokens(engine, req.messages, adapter, req))
         # without a limit, the rest of the context (as OpenAI and vLLM)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_request_tokens() - len(prompt))
         check_prompt(engine, prompt, max_tokens)
-        params = params_of(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = params_of(req, engine, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         started = await unless_gone(request, start_all([(prompt, p) for p in choice_params(params, req.n)], base,
                                                         adapter, hints_of(req, request), req.n))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = reply_id("chatcmpl", req), int(time.time())
 
-        def body(delta, finish, opening):
+        def body(index, delta, finish, opening):
             content = {"role": "assistant", "content": ""} if opening else ({"content": delta} if delta else {})
             return {"delta": content, "finish_reason": None if opening else finish}
 
         if req.stream:
-            return stream_events(started, base, params.stop, *chunker(rid, created, req, body))
+            return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body))
         outs = await unless_gone(request, collect_all(started, base))
         choices = await off_loop(chat_choices, engine.tokenizer, outs, bool(req.logprobs))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage(outs, req.n)}
 
     if enable_lora_loading:  # vLLM's runtime LoRA updating; without the flag these are 404, as in vLLM
@@ -894,7 +1044,7 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
           api_key: str | None = None, config: EngineConfig | None = None,
           limits: ServerLimits | None = None, lora_modules: list[tuple[str, str]] = (),
           served_model_name: list[str] | None = None, enable_lora_loading: bool = False,
-          colocate: list[ModelSpec] = (), lending: bool = False) -> None:
+          colocate: list[ModelSpec] = (), lending: bool = False, generation_config: str = "auto") -> None:
     """Serve ``model`` with ``adapters`` (under their manifest names) and ``lora_modules``
     ((name, path): vLLM's ``--lora-modules``, served under ``name``), and beside it the
     ``colocate`` models in the same process (with ``lending``, they lend each other KV blocks)."""
@@ -908,13 +1058,14 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
         colocation = build_colocation([(model, list(adapters), config or EngineConfig(), name), *colocate], lending)
         for lora_name, path in lora_modules:
             colocation.load_adapter(name, path, lora_name)
-        app = create_app(colocation, api_key=api_key, limits=limits, enable_lora_loading=enable_lora_loading)
+        app = create_app(colocation, api_key=api_key, limits=limits, enable_lora_loading=enable_lora_loading,
+                         generation_config=generation_config)
     else:
         engine = LLMEngine(model, adapters, config)
         for lora_name, path in lora_modules:
             engine.load_adapter(path, lora_name)
         app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
-                         enable_lora_loading=enable_lora_loading)
+                         enable_lora_loading=enable_lora_loading, generation_config=generation_config)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     except SystemExit as stop:  # uvicorn logs why it could not start, then exits

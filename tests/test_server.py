@@ -259,13 +259,25 @@ def test_lm_evals_local_completions_scores_through_the_server(server, monkeypatc
     assert [g[1] for g in got] == [w[1] for w in want]
 
 
-def test_completion_prompt_shapes_that_cannot_stream_are_400(server):
-    headers = {"Authorization": f"Bearer {KEY}"}
-    for body, param in (({"prompt": ["a", "b"], "stream": True}, "prompt"), ({"prompt": "a", "echo": True, "stream": True}, "echo"),
-                        ({"prompt": []}, "prompt")):
-        r = httpx.post(server["url"] + "/v1/completions", headers=headers,
-                       json={"model": "tiny-base", "max_tokens": 2, **body})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+def test_an_empty_prompt_is_400(server):
+    r = _post(server, "/v1/completions", {"model": "tiny-base", "max_tokens": 2, "prompt": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_streamed_batch_with_echo_is_each_prompt_then_its_completion_as_vllm(server):
+    """vLLM streams a batch of prompts (choice index = prompt x n + sample) and, with echo,
+    opens each choice with its prompt; the texts equal the reply without stream."""
+    body = {"model": "tiny-base", "prompt": ["Rome is", "Paris  was"], "max_tokens": 4, "temperature": 0, "n": 2,
+            "echo": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"]
+    texts: dict[int, str] = {}
+    for event in _events(server, "/v1/completions", body):
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {c["index"]: c["text"] for c in whole} and len(texts) == 4
+    assert texts[0].startswith("Rome is") and texts[1].startswith("Rome is") and texts[3].startswith("Paris  was")
 
 
 def test_health_is_503_when_the_engine_thread_is_gone(base):
@@ -891,8 +903,8 @@ def test_an_alias_may_not_hide_an_adapter_and_chat_defaults_fit_the_pool(base, a
 
 
 def test_completions_take_vllms_add_special_tokens(base, monkeypatch):
-    """Text prompts are taken as given unless add_special_tokens asks for the BOS (vLLM's field;
-    our default is off, as the engine and lm-eval's HF model)."""
+    """Text prompts get the tokenizer's special tokens unless add_special_tokens is false
+    (vLLM's field and its default)."""
     from fastapi.testclient import TestClient
 
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
@@ -900,10 +912,10 @@ def test_completions_take_vllms_add_special_tokens(base, monkeypatch):
     monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: seen.append(kw["add_special_tokens"])
                         or encode(text, **kw))
     with TestClient(create_app(engine, served_model_name="tiny-base")) as client:
-        for extra in ({}, {"add_special_tokens": True}):
+        for extra in ({}, {"add_special_tokens": False}):
             r = client.post("/v1/completions", json={"model": "tiny-base", "prompt": "hi", "max_tokens": 1, **extra})
             assert r.status_code == 200, r.text
-    assert seen == [False, True]
+    assert seen == [True, False]
 
 
 def test_a_stream_holds_back_the_longest_end_that_begins_a_stop_string():
@@ -940,8 +952,9 @@ def test_unexpected_failures_are_openai_errors_not_tracebacks(cli, base, monkeyp
     body = {"model": str(base), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with TestClient(apps[0], raise_server_exceptions=False) as local:
         for error, status, kind in ((RuntimeError("a bug"), 500, "server_error"),
+                                    (TypeError("a bug of ours, not the template's"), 500, "server_error"),
                                     (KvshareError("unknown adapter 'gone'"), 400, "invalid_request_error")):
-            def failing(*args, error=error):
+            def failing(*args, error=error, **kwargs):
                 raise error
             monkeypatch.setattr(engine, "chat_prompt", failing)
             r = local.post("/v1/chat/completions", json=body)
@@ -1002,7 +1015,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, tokenizer):
     assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == 3
     scored = http.post("/v1/completions", json={**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"][1:] == pytest.approx(scored["token_logprobs"][1:3], abs=1e-6)
-    for wrong, param in (({"echo": False}, "max_tokens"), ({"stream": True}, "echo")):  # echo never streams
+    for wrong, param in (({"echo": False}, "max_tokens"), ({"stream": True, "logprobs": None}, "max_tokens")):
         r = http.post("/v1/completions", json={**body, **wrong})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -1028,3 +1041,147 @@ def test_logprob_fields_are_openais(server):
     for entry in r.json()["choices"][0]["logprobs"]["content"]:
         assert entry["bytes"] == list(entry["token"].encode("utf-8", "replace"))
         assert all(t["bytes"] == list(t["token"].encode("utf-8", "replace")) for t in entry["top_logprobs"])
+
+
+def test_vllms_own_fields_at_their_defaults_are_accepted_and_other_values_named(server):
+    """A client written for vLLM sends its fields at their defaults (vLLM's clients and
+    benchmarks do); only values we do not implement are refused, by name."""
+    at_defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "min_tokens": 0, "priority": 0,
+                   "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+                   "allowed_token_ids": None, "bad_words": [], "include_stop_str_in_output": False}
+    chat_defaults = {"add_generation_prompt": True, "continue_final_message": False, "tools": [],
+                     "tool_choice": "none", "parallel_tool_calls": True, "response_format": {"type": "text"},
+                     "echo": False, "chat_template_kwargs": {}, "top_logprobs": 0}
+    messages = [{"role": "user", "content": "a"}]
+    r = _post(server, "/v1/completions", {"model": "tiny-base", "prompt": "a", "max_tokens": 2, **at_defaults})
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "messages": messages, "max_tokens": 2,
+                                               **at_defaults, **chat_defaults})
+    assert r.status_code == 200, r.text
+    for path, extra, param in (("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+                               ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
+                               ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),  # below n: vLLM's 400 too
+                               ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+                               ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+                               ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+                               ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": False}},
+                                "chat_template_kwargs")):
+        body = {"model": "tiny-base", "max_tokens": 2, **extra}
+        body.update({"prompt": "a"} if path == "/v1/completions" else {"messages": messages})
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_request_without_model_runs_on_the_first_base(server):
+    """vLLM 0.8+: ``model`` may be left out; the reply names the base it ran on."""
+    for path, body in (("/v1/completions", {"prompt": [5, 6, 7]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
+        r = _post(server, path, {"max_tokens": 3, "temperature": 0, **body})
+        named = _post(server, path, {"model": "tiny-base", "max_tokens": 3, "temperature": 0, **body})
+        assert r.status_code == 200 and r.json()["model"] == "tiny-base", r.text
+        assert r.json()["choices"] == named.json()["choices"]
+
+
+def test_echo_returns_the_clients_own_prompt_text(base, monkeypatch):
+    """vLLM echoes a text prompt as sent, not its token ids decoded again (which a tokenizer
+    may normalise, or prefix with a BOS); token-id prompts are decoded."""
+    from fastapi.testclient import TestClient
+
+    engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda ids, **kw: "<decoded>")
+    with TestClient(create_app(engine, served_model_name="tiny-base")) as client:
+        body = {"model": "tiny-base", "max_tokens": 1, "echo": True}
+        text = client.post("/v1/completions", json={**body, "prompt": "Rome  is"}).json()["choices"][0]["text"]
+        ids = client.post("/v1/completions", json={**body, "prompt": [5, 6]}).json()["choices"][0]["text"]
+    assert text.startswith("Rome  is") and ids.startswith("<decoded>")
+
+
+def test_stop_strings_and_stop_tokens_leave_the_text_unless_asked_to_stay(server, base, tokenizer):
+    """vLLM's rule: a stop string is cut, and so is a stop token's own text (it stayed before);
+    ``include_stop_str_in_output`` keeps either."""
+    prompt = tokenizer.encode("Paris is the capital of", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = LLM(base, kv_cache_tokens=256, block_size=8).generate([prompt], greedy)[0].token_ids
+    first = ids.index(ids[2])  # where the stop token first comes
+    body = {"model": "tiny-base", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = _post(server, "/v1/completions", {**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
+    kept = _post(server, "/v1/completions", {**body, "stop_token_ids": [ids[2]],
+                                             "include_stop_str_in_output": True}).json()["choices"][0]
+    # (a character the tokens before it left unfinished goes with it: the text stops where it was whole)
+    assert (cut["text"], cut["finish_reason"]) == (tokenizer.decode(ids[:first]).rstrip("\ufffd"), "stop")
+    assert (kept["text"], kept["finish_reason"]) == (tokenizer.decode(ids[:first + 1]), "stop")
+    text = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert text == tokenizer.decode(ids)
+    stop = next(text[k:k + 2] for k in range(1, len(text) - 1) if text[k:k + 2].strip())
+    cut = _post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]["text"]
+    kept = _post(server, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
+    assert cut == text[:text.find(stop)]
+    assert kept.json()["choices"][0]["text"] == text[:text.find(stop) + len(stop)]
+
+
+def test_truncate_prompt_tokens_and_request_id_as_vllm(server):
+    body = {"model": "tiny-base", "prompt": list(range(5, 25)), "max_tokens": 2, "temperature": 0,
+            "truncate_prompt_tokens": 4, "request_id": "abc"}
+    r = _post(server, "/v1/completions", body).json()
+    assert r["usage"]["prompt_tokens"] == 4 and r["id"] == "cmpl-abc"
+    last4 = _post(server, "/v1/completions", {**body, "prompt": list(range(21, 25)), "truncate_prompt_tokens": None})
+    assert r["choices"][0]["text"] == last4.json()["choices"][0]["text"]
+
+
+def test_chat_template_fields_reach_the_template(server, monkeypatch):
+    """add_generation_prompt false leaves out the assistant header; continue_final_message
+    leaves the last message open; chat_template_kwargs are the template's variables."""
+    from kvshare.testing import CHATML_TEMPLATE
+
+    monkeypatch.setattr(server["engine"].tokenizer, "chat_template", "{{ greeting | default('') }}" + CHATML_TEMPLATE)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    usage = {}
+    for name, extra in (("default", {}), ("no header", {"add_generation_prompt": False}),
+                        ("open", {"add_generation_prompt": False, "continue_final_message": True}),
+                        ("greeted", {"chat_template_kwargs": {"greeting": "hello there, "}})):
+        r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "messages": messages, "max_tokens": 1,
+                                                   **extra})
+        assert r.status_code == 200, r.text
+        usage[name] = r.json()["usage"]["prompt_tokens"]
+    assert usage["greeted"] > usage["default"] > usage["no header"] > usage["open"]
+
+
+def test_a_template_that_trips_on_a_field_is_400(server, monkeypatch):
+    """A template reading what a message lacks can raise TypeError (a 500 before); vLLM: 400.
+    (A TypeError of our own code stays a 500: see the test of unexpected failures.)"""
+    from kvshare.testing import CHATML_TEMPLATE
+
+    trips = "{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | join }}" \
+            "{% endif %}{% endfor %}" + CHATML_TEMPLATE
+    monkeypatch.setattr(server["engine"].tokenizer, "chat_template", trips)
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]})
+    assert r.status_code == 400 and "TypeError" in r.json()["error"]["message"], r.text
+
+
+def test_sampling_left_out_comes_from_the_models_generation_config(base, tmp_path):
+    """vLLM 0.8+ (``--generation-config auto``): what a request leaves out comes from the
+    model's generation_config.json; ``vllm`` leaves it off. transformers' defaults and bad
+    values in the file are no setting."""
+    from fastapi.testclient import TestClient
+
+    from kvshare.models import sampling_defaults
+
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update({"temperature": 0.0, "top_k": 50, "top_p": 0, "repetition_penalty": "high"})
+    (model / "generation_config.json").write_text(json.dumps(config))
+    assert sampling_defaults(model) == {"temperature": 0.0}
+    engine = LLMEngine(str(model), kv_cache_tokens=512, block_size=8)
+    body = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True, "seed": 3}
+    replies = {}
+    for mode in ("auto", "vllm"):
+        with TestClient(create_app(engine, served_model_name="m", generation_config=mode)) as client:
+            for name, extra in (("left out", {}), ("greedy", {"temperature": 0}), ("hot", {"temperature": 1.0})):
+                r = client.post("/v1/completions", json={**body, **extra})
+                assert r.status_code == 200, r.text
+                replies[mode, name] = r.json()["choices"][0]["text"]
+    assert replies["auto", "left out"] == replies["auto", "greedy"]
+    assert replies["vllm", "left out"] == replies["vllm", "hot"] != replies["vllm", "greedy"]
