@@ -28,12 +28,16 @@ def bf16_is_fast() -> bool:
     return torch.cuda.is_available() or cpu_has_fast_bf16()
 
 
-def resolve_mixed_precision(setting: str) -> str:
+def resolve_mixed_precision(setting: str, on_gpu: bool | None = None) -> str:
     """A recipe's ``mixed_precision`` as accelerate takes it: ``auto`` becomes ``bf16`` where
-    bfloat16 is fast and ``no`` elsewhere, so one recipe trains at full speed on either machine."""
-    if setting == "auto":
-        return "bf16" if bf16_is_fast() else "no"
-    return setting
+    bfloat16 is fast on the device that trains (``on_gpu``; default: whether CUDA is there)
+    and ``no`` elsewhere, so one recipe trains at full speed on either machine. A GPU without
+    bfloat16 (V100, T4) and a CPU run on a GPU host (accelerate's ``use_cpu``) get ``no``."""
+    if setting != "auto":
+        return setting
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    fast = torch.cuda.is_bf16_supported() if on_gpu else cpu_has_fast_bf16()
+    return "bf16" if fast else "no"
 
 
 def warn_if_bf16_is_slow(what: str) -> None:

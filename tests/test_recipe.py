@@ -61,6 +61,11 @@ def test_defaults_and_overrides(tmp_path):
      "nowhere.jsonl does not exist"),
     (BASE.replace("{name: gsm8k}", "{path: x.jsonl}"), [], "prompt_field"),
     (BASE, ["train.lr"], "key=value"),
+    (BASE, ["adapter.target_modules=[]"], "adapter.target_modules"),
+    (BASE, ["train.seed=-1"], "train.seed"),
+    (BASE.replace("{name: gsm8k}", "{name: gsm8k, split: test}"), [], "split only apply to hub sources"),
+    (BASE.replace("{name: gsm8k}", "{name: gsm8k, config: socratic}"), [], "config only apply to hub sources"),
+    (BASE.replace("{name: gsm8k}", "{name: gsm8k, prompt_field: q}"), [], "only apply to path and hub"),
     ("- just\n- a list\n", [], "mapping"),
     ("name: [unclosed\n", [], "malformed YAML"),
 ])

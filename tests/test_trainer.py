@@ -177,6 +177,30 @@ def test_target_modules_the_base_lacks_are_refused_before_training(tmp_path, tin
     assert not (tmp_path / "run-lora" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("kind,targets,message", [
+    ("icarus", ["q_proj", "self_attn.k_proj"], "adapts k_proj, which an icarus adapter may not target"),
+    ("lora", ["lm_head"], "names lm_head, which the engine does not serve"),
+    ("lora", ["mlp"], "names model.layers.0.mlp, which the engine does not serve"),
+    ("lora", ["embed_tokens"], "which the engine does not serve"),
+])
+def test_targets_export_or_serving_would_refuse_are_refused_before_training(tmp_path, tiny_models, toy_data, cli,
+                                                                          kind, targets, message):
+    """A path naming ICaRus's k_proj, the head, a whole block: PEFT takes them, and the run
+    used to fail at export (or the engine at load) after all its steps."""
+    path = toy_recipe(tmp_path, tiny_models("llama", tied=False), toy_data, kind, max_steps=2)
+    assert_one_line_error(cli("train", path, f"adapter.target_modules={json.dumps(targets)}"), message)
+    assert not (tmp_path / f"run-{kind}" / "metrics.jsonl").exists()
+
+
+def test_an_evaluation_without_its_data_stops_the_run_before_it_trains(tmp_path, tiny_models, toy_data, cli,
+                                                                      monkeypatch):
+    monkeypatch.setenv("KVSHARE_DATA", str(tmp_path / "no-data"))
+    path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora", max_steps=4, eval_every=2, eval_task="f1-squad")
+    assert_one_line_error(cli("train", path), "no local data folder")
+    metrics = tmp_path / "run-lora" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # it failed at step 2 before
+
+
 def test_an_override_that_is_not_yaml_is_one_line_error(tmp_path, tiny_models, toy_data, cli):
     path = toy_recipe(tmp_path, tiny_models("llama"), toy_data, "lora")
     assert_one_line_error(cli("train", path, "adapter.target_modules=[q_proj"), "not valid YAML")

@@ -1,8 +1,9 @@
 """Training data: named loaders for the task families, local first, Hugging Face Hub second.
 
 Each loader yields :class:`Example` (prompt text and response text, plus a stable id).
-Files come from ``$KVSHARE_DATA`` (default ``../shared/data``); without them a loader reads
-the same data from the Hub by name. No evaluation record ever reaches training: named loaders
+Files come from ``$KVSHARE_DATA`` (default ``../shared/data``); without them gsm8k, mbpp,
+code_alpaca and alpaca read the same data from the Hub by name (math_cot, squad and hotpotqa
+are local only). No evaluation record ever reaches training: named loaders
 pass their ids through :func:`kvshare.splits.is_eval_record`, evaluation files and Hub splits
 (split expressions included) are refused by name, and every record of every source is checked
 by id and question text against :func:`kvshare.splits.eval_guard`, which catches copies under
@@ -127,14 +128,23 @@ def load_named(name: str, limit: int | None = None) -> list[Example]:
     folder = data_dir()
     local = folder / loader.local if folder else None
     if local is not None and local.is_file():
-        rows = loader.read(local)
+        origin = str(local)
+        try:
+            rows = loader.read(local)
+        except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+            raise KvshareError(f"{local}: not readable as {name} data ({type(err).__name__}: {err})") from None
     elif loader.hub is not None:
+        origin = loader.hub[0]
         rows = _hub_rows(*loader.hub)
     else:
         raise KvshareError(f"data set {name!r} needs {loader.local} under KVSHARE_DATA "
                            f"(looked in {folder}); it has no Hub fallback")
+    try:  # a damaged or foreign file: records without the fields this loader reads
+        parsed = list(loader.parse(rows))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise KvshareError(f"{origin}: its records are not {name}'s ({type(err).__name__}: {err})") from None
     examples = ((Example(f"{name}/{record_id}", prompt, response), (record_id,), ())
-                for record_id, prompt, response in loader.parse(rows)
+                for record_id, prompt, response in parsed
                 if not is_eval_record(name, record_id))  # held out for evaluation
     return _guarded(name, examples, limit)
 

@@ -27,7 +27,7 @@ class AdapterSpec(_Strict):
     rank: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | None = None
+    target_modules: list[str] | None = Field(None, min_length=1)
     invocation: str | None = None  # aLoRA only: the text that activates the adapter
 
     @model_validator(mode="after")
@@ -69,6 +69,12 @@ class DataSource(_Strict):
             raise ValueError("path and hub sources need prompt_field and response_field")
         if self.path and not Path(self.path).is_file():
             raise ValueError(f"data file {self.path} does not exist")
+        # a named loader has its own split and fields, a file its one split: else ignored without a word
+        hub_only = [key for key in ("config", "split") if getattr(self, key) not in (None, "train")]
+        if hub_only and not self.hub:
+            raise ValueError(f"{', '.join(hub_only)} only apply to hub sources")
+        if self.name and (self.prompt_field or self.response_field):
+            raise ValueError("prompt_field and response_field only apply to path and hub sources")
         return self
 
     @property
@@ -80,7 +86,7 @@ class DataSpec(_Strict):
     sources: list[DataSource] = Field(min_length=1)
     max_length: int = Field(512, ge=8)
     system_prompt: str | None = None
-    shuffle_seed: int | None = None  # the data order's seed (as HF's data_seed); None: train.seed
+    shuffle_seed: int | None = Field(None, ge=0, lt=2 ** 32)  # the data order's seed (as HF's data_seed); None: train.seed
 
 
 class TrainSpec(_Strict):
@@ -93,7 +99,7 @@ class TrainSpec(_Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2 ** 32)  # numpy's range (accelerate seeds it too)
     mixed_precision: Literal["no", "bf16", "auto"] = "no"  # auto: bf16 only where it is fast
     log_every: int = Field(10, ge=1)
     save_every: int = Field(100, ge=1)

@@ -11,7 +11,9 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import random
+import re
 import sys
 import time
 import warnings
@@ -30,7 +32,7 @@ from ..kinds import kind_spec
 from . import checkpoint as ckpt
 from .collate import IGNORE, collate, invocation_ids, tokenize_all
 from .data import Example, load_file, load_hub, load_named
-from .evaluation import evaluate_adapter
+from .evaluation import build_eval_task, evaluate_adapter
 from .icarus import enable_icarus_attention, icarus_forward
 from .metrics import read_metrics, truncate_metrics
 from .recipe import Recipe, flatten, recipe_drift
@@ -67,11 +69,13 @@ def build_model(recipe: Recipe, base_dir: Path):
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
                                                 use_safetensors=True, local_files_only=True)
     spec = recipe.adapter
-    names = [name for name, _ in base.named_modules()]
-    missing = [t for t in spec.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        raise KvshareError(f"adapter.target_modules: {', '.join(map(repr, missing))} not in {base_dir} "
-                           f"(its projections: {', '.join(sorted(_linear_leaves(base)))})")
+    modules = dict(base.named_modules())
+    for target in spec.target_modules:  # what PEFT will adapt: every module named so, or ending so
+        matched = [n for n in modules if n == target or n.endswith("." + target)]
+        if not matched:
+            raise KvshareError(f"adapter.target_modules: {target!r} not in {base_dir} "
+                               f"(its projections: {', '.join(sorted(_linear_leaves(base)))})")
+        _check_servable_target(target, matched, modules, spec.kind)
     invocation = invocation_ids(tokenizer, spec.invocation) if kind_spec(spec.kind).needs_invocation else None
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
@@ -92,6 +96,26 @@ def _holds_a_run(run_dir: Path) -> bool:
     folder) left nothing to resume, so a fresh run may start over it."""
     return bool(ckpt.checkpoints(run_dir) or (run_dir / "summary.json").exists()
                 or (run_dir / "adapter").exists())
+
+
+_SERVED_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+$")
+
+
+def _check_servable_target(target: str, matched: list[str], modules: dict, kind) -> None:
+    """Refuse before training what export or serving would refuse after it: the engine serves
+    LoRA on the decoder layers' linear projections only (not the head, the embedding or a whole
+    block), and a kind's forbidden projections (ICaRus's k/v) stay forbidden however they are
+    named (``self_attn.k_proj`` is ``k_proj``)."""
+    for name in matched:
+        if not isinstance(modules[name], torch.nn.Linear) or not _SERVED_PROJECTION.match(name):
+            served = {n.rsplit(".", 1)[-1] for n, m in modules.items()
+                      if isinstance(m, torch.nn.Linear) and _SERVED_PROJECTION.match(n)}
+            raise KvshareError(f"adapter.target_modules: {target!r} names {name}, which the engine does not serve "
+                               f"LoRA on (only the decoder layers' linear projections: {', '.join(sorted(served))})")
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in kind_spec(kind).forbidden_targets:
+            raise KvshareError(f"adapter.target_modules: {target!r} adapts {leaf}, which an {kind.value} adapter "
+                               "may not target (its keys and values always come from the frozen base)")
 
 
 def _linear_leaves(model: torch.nn.Module) -> set[str]:
@@ -186,6 +210,12 @@ def _last_logged_loss(metrics_path: Path) -> float:
     return float(losses[-1]) if losses else float("nan")
 
 
+def _last_logged_eval(metrics_path: Path) -> dict | None:
+    """The last evaluation record in ``metrics.jsonl`` (a resumed run's summary keeps it)."""
+    evals = [r for r in read_metrics(metrics_path) if "eval" in r] if metrics_path.is_file() else []
+    return evals[-1] if evals else None
+
+
 def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = False,
           force_resume: bool = False, stop_after: int | None = None) -> dict:
     """Run a recipe to the end (or to ``stop_after`` steps); return the run summary.
@@ -202,9 +232,15 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     # (PartialState) is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
     # cpu=True on CPU-only machines lets torchrun-launched processes form a gloo DDP group.
-    precision = resolve_mixed_precision(recipe.train.mixed_precision)
+    # the device that trains: a GPU unless there is none or the launcher asks for the CPU (use_cpu)
+    on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
+    precision = resolve_mixed_precision(recipe.train.mixed_precision, on_gpu)
     if recipe.train.mixed_precision == "bf16":
         warn_if_bf16_is_slow("train.mixed_precision bf16")
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher not in ("no", precision):  # accelerate launch --mixed_precision, or a config file's
+        warnings.warn(f"the launcher's mixed_precision {launcher!r} is not used: the recipe's train.mixed_precision "
+                      f"decides ({recipe.train.mixed_precision!r}, here {precision!r})", RuntimeWarning, stacklevel=2)
     run_dir = Path(recipe.output_dir)
     for tracker in recipe.train.report_to:
         if importlib.util.find_spec(tracker) is None:
@@ -212,7 +248,7 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
     # the other processes wait at a barrier while the main one evaluates (eval_every): the
     # process group's timeout is the recipe's (HF's ddp_timeout: 30 min), not NCCL's 10
     group = InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.ddp_timeout))
-    accel = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(),
+    accel = Accelerator(mixed_precision=precision, cpu=not on_gpu,
                         log_with=list(recipe.train.report_to) or None, project_dir=str(run_dir / "logs"),
                         kwargs_handlers=[group])
     if accel.distributed_type.value in _UNSUPPORTED_DISTRIBUTION:
@@ -281,12 +317,14 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
             batch = {**batch, "alora_offsets": batch["alora_offsets"].tolist()}
         return model(**batch, num_items_in_batch=num_items)
 
+    if main and tp.eval_task:  # reads its data now: a missing file stops the run before it trains, not after
+        build_eval_task(tp.eval_task, tp.eval_limit, tp.eval_max_tokens)
     bar = tqdm(total=total, initial=state["step"], desc=recipe.name, disable=not main,
                file=sys.stderr, dynamic_ncols=True)
     # the open logging window (its step losses, tokens and seconds so far) is part of the
     # checkpoint: a run resumed in mid-window logs the same records as one never stopped
     window: list[float] = list(state.get("window", []))
-    last_eval = None
+    last_eval = _last_logged_eval(metrics_path) if main and resume_from is not None else None
     # mean loss of the last logged window: the run's final loss (a run resumed at its last step,
     # killed while exporting, logs no window: its final loss is the one logged before)
     last_loss = _last_logged_loss(metrics_path) if main and resume_from is not None else float("nan")
@@ -343,17 +381,18 @@ def train(recipe: Recipe, *, recipe_path: str | None = None, resume: bool = Fals
                             tok_s=f"{record['tokens_per_s']:.0f}")
             window, window_start, window_tokens = [], now, 0
         bar.update(1)
+        # saved before the evaluation: an evaluation that fails must not take the steps since the last save
+        if state["step"] % tp.save_every == 0 or state["step"] == limit:
+            state["seconds"] = time.perf_counter() - started
+            state.update(window=window, window_tokens=window_tokens,
+                         window_seconds=time.perf_counter() - window_start)
+            _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank, resolved)
         if tp.eval_every and state["step"] % tp.eval_every == 0:
             if main:
                 last_eval = {"step": state["step"], "eval": _evaluate_now(recipe, peft_model, run_dir, base_dir,
                                                                           state["step"], str(accel.device))}
                 log(last_eval)
             accel.wait_for_everyone()
-        if state["step"] % tp.save_every == 0 or state["step"] == limit:
-            state["seconds"] = time.perf_counter() - started
-            state.update(window=window, window_tokens=window_tokens,
-                         window_seconds=time.perf_counter() - window_start)
-            _save(run_dir, accel, peft_model, optimizer, scheduler, state, rank, resolved)
     bar.close()
     if window:  # stopped (--stop-after) in mid-window: its loss so far, not logged until the window closes
         last_loss = sum(window) / len(window)
