@@ -89,18 +89,25 @@ class AdapterSet:
         self.default_kv_layout = "exact"  # the layout of lora adapters loaded without one
         self.version = 0  # counts loads and unloads: what caches of the slots compare against
 
+    def layout_of(self, path: Path, kv_layout: str | None) -> tuple[dict, str]:
+        """(manifest, the layout the adapter at ``path`` is served with): ``kv_layout`` or the
+        default for its kind; a clear error for a layout its kind has not. Its files are
+        checked by :meth:`load`, on what loads."""
+        manifest = verify_adapter_dir(Path(path), base=self.base_dir, check_files=False)
+        if kv_layout is None:
+            kv_layout = self.default_kv_layout if manifest["kind"] == AdapterKind.LORA.value else "exact"
+        serving_spec(manifest["kind"], kv_layout)
+        return manifest, kv_layout
+
     def load(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
         """Load an exported adapter under ``name``; ``kv_layout="forkkv"`` serves a lora
         adapter with ForkKV's shared base part and private rank-r residual (None: the
         default layout for lora adapters, exact for other kinds)."""
         path = Path(path)
-        manifest = verify_adapter_dir(path, base=self.base_dir, check_files=False)  # checked below, on what loads
+        manifest, kv_layout = self.layout_of(path, kv_layout)
         name = name or manifest["name"]
         if name in self.by_name:
             raise KvshareError(f"an adapter named {name!r} is already loaded")
-        if kv_layout is None:
-            kv_layout = self.default_kv_layout if manifest["kind"] == AdapterKind.LORA.value else "exact"
-        serving_spec(manifest["kind"], kv_layout)  # a layout the kind has, or a clear error
         # the config and weights are read once: what is checked, loaded and digested is one thing,
         # even if the files are replaced while this runs
         config = read_json(path / ADAPTER_CONFIG)

@@ -138,6 +138,7 @@ class Scheduler:
         budget = self.max_batched_tokens
         plan: list[StepPlan] = []
         stalled = False  # a running sequence found the pool short: no admission this step
+        residual_stalled = False  # ForkKV's residual pool was: no ForkKV admission this step
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted while making room for an older sequence
@@ -146,6 +147,7 @@ class Scheduler:
             step = self._fit(seq, budget, alone=not plan)
             if len(seq) > seq.num_computed and step.n_compute == 0:
                 continue  # its rows do not fit what is left: younger running ones may (vLLM does the same)
+            residual = False
             while True:
                 try:
                     self.blocks.ensure_capacity(seq, seq.num_computed + step.n_compute)
@@ -160,9 +162,11 @@ class Scheduler:
                         self._preempt(seq)
                         break
             if seq not in self.running:
-                # the pool is short for this one: admit nobody now; the younger ones still
-                # planned run (where only ForkKV's residual pool was short, those not ForkKV)
-                stalled = True
+                # the pool is short for this one: admit nobody now (where only ForkKV's residual
+                # pool was, no ForkKV request); the younger ones still planned run (there, those
+                # not ForkKV)
+                residual_stalled = residual_stalled or residual
+                stalled = stalled or not residual
                 continue
             plan.append(step)
             budget -= step.num_rows
@@ -173,6 +177,8 @@ class Scheduler:
             if self.admission is not None and not self.admission.allows(seq, behind_held=held_new):
                 held_new = True
                 continue  # a new workflow's call: the calls of workflows already admitted go first
+            if residual_stalled and seq.forkkv:
+                continue  # its residual pool is short for a running request: the others may go
             try:
                 self._allocate(seq)
             except PrefixLoading:

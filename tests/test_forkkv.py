@@ -187,6 +187,7 @@ def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
     llm = LLM(base, [], kv_cache_tokens=256, block_size=BS)
     with pytest.raises(KvshareError, match="is for lora adapters"):
         llm.engine.load_adapter(adapters["icarus-a"], kv_layout="forkkv")
+    assert "forkkv_residual" not in llm.engine.kv_usage()  # refused before a residual pool was made for it
     with pytest.raises(KvshareError, match="unknown kv_layout"):
         llm.engine.load_adapter(adapters["lora-a"], kv_layout="fork")
     with pytest.raises(KvshareError, match="holds rank 1 at most"):

@@ -117,17 +117,20 @@ def test_a_prompt_chunk_short_of_its_end_takes_every_row_left():
 
 def test_a_short_residual_pool_stalls_only_forkkv_requests():
     """ForkKV's residual pool is full: its newest ForkKV request waits, and the plain request
-    younger than it (which needs no residual block) still runs this step."""
+    younger than it (which needs no residual block) still runs this step, as does a plain
+    request that arrives now; a ForkKV one that arrives now waits."""
     manager = BlockManager(32, BS, "sha256:base", residual=ResidualCache(4, BS, "sha256:base"))
     scheduler = Scheduler(manager, 64, 8)
     first = seq([1, 2, 3], "first", spec=FORKKV_LORA, digest="sha256:a")
     second = seq([4, 5, 6, 7], "second", spec=FORKKV_LORA, digest="sha256:a")
     plain = seq([50], "plain")
     running(scheduler, manager, first, second, plain)
+    scheduler.add(seq([70], "late-forkkv", spec=FORKKV_LORA, digest="sha256:a"))
+    scheduler.add(seq([60, 61], "late-plain"))
     decoding(first)
     decoding(second)  # a fifth token: a third residual block, none left
     plan = scheduler.schedule()
-    assert planned(plan) == ["first", "plain"]
+    assert planned(plan) == ["first", "plain", "late-plain"]
     assert second.status == Status.WAITING and second.preemptions == 1
 
 

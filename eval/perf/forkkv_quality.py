@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ...adapters import ADAPTER_CONFIG, lora_rank
 from ...errors import KvshareError
 from ...kinds import AdapterKind
 from ...serve import LLM
+from ...safetensors_io import read_json
 from ...serve.sampling import SamplingParams
 from ..harness import EvalTask, mean_ci95
 from ..qa import f1_task
@@ -49,6 +51,8 @@ def agent_engine(model_dir: Path, adapters: list[Path], names: list[str], layout
                  kv_cache_tokens: int, block_size: int | None = None) -> LLM:
     """One engine with every agent's lora adapter loaded under ``kv_layout=layout``."""
     settings = {"kv_cache_tokens": kv_cache_tokens, "dtype": dtype}
+    if layout == "forkkv":  # the residual pool as wide as the widest adapter (the bench has no flag for it)
+        settings["forkkv_max_rank"] = max(lora_rank(read_json(Path(p) / ADAPTER_CONFIG)) for p in adapters)
     if block_size:
         settings["block_size"] = block_size
     llm = LLM(model_dir, [], **settings)
@@ -86,8 +90,10 @@ def run_turns(llm: LLM, task: EvalTask, agents: list[str], batch: int, desc: str
 def sharing_stats(llm: LLM) -> dict:
     """The engine's counters that show which K/V the agents read."""
     stats = llm.engine.stats()
-    keys = ("prefix_hit_tokens_forkkv_base", "prefix_hit_tokens_lora_full_reuse", "forkkv_residual_hit_tokens",
-            "prefix_hit_rate", "evictions")
+    # forkkv_base_read_tokens: base parts read, resumed from or not (prefix_hit_tokens_forkkv_base counts
+    # only what was resumed with the residual cached too)
+    keys = ("prefix_hit_tokens_forkkv_base", "forkkv_base_read_tokens", "prefix_hit_tokens_lora_full_reuse",
+            "forkkv_residual_hit_tokens", "prefix_hit_rate", "evictions")
     return {k: stats[k] for k in keys if k in stats}
 
 

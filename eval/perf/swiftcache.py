@@ -417,7 +417,9 @@ def markdown(results: dict) -> str:
              f"block size {s['block_size']}.", "",
              "`lending+stream`: the long model keeps only a layer buffer in its home share and streams every "
              "layer of its KV from what the agents lend (simulated link on CPU). On one device lent blocks are "
-             "directly addressable, so it costs here what it would save across devices.", "",
+             "directly addressable, so it costs here what it would save across devices. Its steps run eager "
+             "(the compiled CPU step takes no streamed cache) where the other modes' run compiled: its cost "
+             "against `lending` includes that gap.", "",
              "**Maximum context served by the long model** (one token more is refused; served for real, "
              f"greedy, {MAX_CONTEXT_OUTPUT} tokens)", "",
              "| mode | context tokens | prompt tokens | KV blocks | bound | TTFT s |", "|---|---|---|---|---|---|"]

