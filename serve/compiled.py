@@ -299,8 +299,9 @@ class CompiledStep(BucketedStep):
         self._graphs: dict[bool, Callable] = {
             adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
                                    options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
-        head = model.lm_head  # in dot products for up to 16 rows wherever that kernel runs
+        head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
         self._head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
+        self._head_rows = cpu_linear.head_rows()
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
@@ -331,7 +332,7 @@ class CompiledStep(BucketedStep):
         """Float32 logits of the logit rows' final hidden states. Outside the graph, so that only
         the rows sampled from are scored: a bucket's pad rows, prompt-chunk rows and ICaRus base
         rows would otherwise each multiply by the head, the largest weight of a small model."""
-        if self._head_packed is not None and len(hidden) <= cpu_linear.MAX_ROWS:
+        if self._head_packed is not None and len(hidden) <= self._head_rows:
             return torch.ops.kvshare.linear_vnni(hidden, self._head_packed, None).float()
         return self.model.head(hidden)
 

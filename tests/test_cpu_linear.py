@@ -138,3 +138,26 @@ def test_when_the_compiled_step_takes_it(monkeypatch):
         for asked in (cpu_linear.wanted, cpu_linear.head_wanted):
             with pytest.raises(KvshareError, match="AVX512-BF16"):
                 asked()
+
+
+def test_the_head_takes_dot_products_up_to_the_rows_where_they_win(monkeypatch):
+    """Without AMX every decode bucket (measured faster at 1-16 rows on AMD EPYC); with AMX up
+    to 6 rows (oneDNN's tiles win from 8 on an AMX Xeon); the compiled step's head follows it."""
+    from types import SimpleNamespace
+
+    from kvshare.serve.compiled import CompiledStep
+
+    for amx, rows in ((False, cpu_linear.MAX_ROWS), (True, cpu_linear.AMX_HEAD_ROWS)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert cpu_linear.head_rows() == rows
+    if ext is None or not ext.linear_vnni_available():
+        pytest.skip("the dot-product kernel does not run here")
+    weight = (torch.randn(64, 32) / 8).bfloat16()
+    calls = []
+    step = SimpleNamespace(_head_packed=cpu_linear.pack(weight), _head_rows=cpu_linear.AMX_HEAD_ROWS,
+                           model=SimpleNamespace(head=lambda h: calls.append(len(h)) or F.linear(h, weight).float()))
+    for n in (cpu_linear.AMX_HEAD_ROWS, cpu_linear.AMX_HEAD_ROWS + 2):
+        hidden = torch.randn(n, 32).bfloat16()
+        torch.testing.assert_close(CompiledStep._head(step, hidden), F.linear(hidden, weight).float(),
+                                   atol=1e-2, rtol=1e-2)
+    assert calls == [cpu_linear.AMX_HEAD_ROWS + 2]  # only the larger one left the kernel

@@ -6,8 +6,9 @@ it widens each weight to float32 for FMAs, which is compute-bound at a few rows.
 2 AMD EPYC cores, SmolLM2's 30 layers of projections, template time over dot-product time in one
 run: 1.89x at 1 row, 2.09x at 2, 2.47x at 4, 1.12x at 8, 1.05x at 16; ``F.linear`` was slower
 than the kernel at every size (results/engine-cpu-bf16/session21/projections.txt). Where the CPU has AMX the
-template multiplies on tiles, so it keeps the projections there (:func:`wanted`; not measured
-against this kernel on such a CPU).
+template multiplies on tiles, so it keeps the projections there (:func:`wanted`): measured on 2
+vCPUs of an AMX Xeon, template over dot products 0.91x at 1 row, 0.83x at 2-4, 0.43x at 16
+(results/engine-cpu-bf16/session30-spr/projections.txt).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from . import extension
 
 CHOICES = ("auto", "vnni", "inductor")
 MAX_ROWS = 16  # decode buckets; a larger bucket (a prompt chunk beside decode rows) keeps the GEMM template
+AMX_HEAD_ROWS = 6  # where oneDNN multiplies on AMX tiles, the head's rows the kernel still beats it at
 
 
 def wanted() -> bool:
@@ -37,14 +39,22 @@ def wanted() -> bool:
 
 def head_wanted() -> bool:
     """Whether the head, which the compiled step applies after its graph to the few rows sampled
-    from, runs in dot products: wherever the kernel runs, AMX or not, unless
-    ``KVSHARE_CPU_GEMM=inductor``. Outside a graph the alternative is ``F.linear``: 2.78 against
-    0.61 ms for SmolLM2's head at one row on AMD EPYC (results/engine-cpu-bf16/session22/head.txt;
-    not measured on an AMX CPU, where a row's product still reads the whole weight once)."""
+    from, runs in dot products (up to :func:`head_rows` rows): wherever the kernel runs, AMX or
+    not, unless ``KVSHARE_CPU_GEMM=inductor``. Outside a graph the alternative is ``F.linear``:
+    2.78 against 0.61 ms for SmolLM2's head at one row on AMD EPYC
+    (results/engine-cpu-bf16/session22/head.txt), 2.02 against 1.15 ms on an AMX Xeon."""
     if _choice() is None:
         return False
     register()
     return True
+
+
+def head_rows() -> int:
+    """Rows up to which the head runs in dot products. Without AMX, every decode bucket (the
+    kernel was faster than ``F.linear`` at 1-16 rows on AMD EPYC); with AMX, oneDNN's tiles win
+    from 8 rows on: SmolLM2's head 2.22 against 2.37 ms at 8 rows, 2.10 against 4.27 at 16, and
+    2.18 against 1.89 at 6 (results/engine-cpu-bf16/session30-spr/head_rows.txt)."""
+    return AMX_HEAD_ROWS if torch.cpu._is_amx_tile_supported() else MAX_ROWS
 
 
 def _choice() -> str | None:
