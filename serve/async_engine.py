@@ -87,6 +87,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._failed_steps = 0  # steps in a row that failed as a whole
+        self._stalled = False  # the last step ran nothing though requests wait
         # the thread that built the engine keeps torch's OpenMP workers; beside the engine
         # thread's own they would slow every step (see .openmp)
         release_openmp_workers()
@@ -95,14 +96,38 @@ class AsyncEngine:
 
     # engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._cycle()
+                except Exception:  # the thread must outlive any bug: log it and keep serving
+                    logger.exception("engine thread: unexpected failure; continuing")
+        finally:  # shutdown, or a thread killed by what it could not catch: nobody waits forever
+            gone = RuntimeError("the server is shutting down")
+            for request_id in list(self._streams):
+                self._deliver(request_id, gone)
+            self._streams.clear()
+            self._refuse_queued(gone)
+
+    def _refuse_queued(self, error: Exception) -> None:
+        """Answer the commands nobody will apply: each queued request's stream and each call
+        gets ``error``."""
+        while True:
             try:
-                self._cycle()
-            except Exception:  # the thread must outlive any bug: log it and keep serving
-                logger.exception("engine thread: unexpected failure; continuing")
-        for request_id in list(self._streams):  # shutdown: nobody waits forever
-            self._deliver(request_id, RuntimeError("the server is shutting down"))
-        self._streams.clear()
+                kind, request_id, *rest = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                loop, stream = rest[-2:]
+                self._streams[request_id] = (loop, stream)
+                self._deliver(request_id, error)
+                self._streams.pop(request_id, None)
+            elif kind == "call":
+                _, loop, future = rest
+                try:
+                    loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(error))
+                except RuntimeError:  # the caller's event loop is gone
+                    pass
 
     def alive(self) -> bool:
         """Whether the engine thread is running."""
@@ -118,8 +143,10 @@ class AsyncEngine:
         return None
 
     def _cycle(self) -> None:
-        """Take the queued commands, then run one engine step if there is work."""
-        idle = not self.colocation.has_unfinished()
+        """Take the queued commands, then run one engine step if there is work. When the last
+        step ran nothing while requests wait (workflow admission holds every one of them; or
+        they wait on blocks nobody frees), wait for a command as when idle, not spin."""
+        idle = not self.colocation.has_unfinished() or self._stalled
         try:
             command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
         except queue.Empty:
@@ -149,6 +176,7 @@ class AsyncEngine:
             # the engine fails requests one by one (a failing batch is split until each fails
             # alone), so a step is not raising when every step fails: a step whose outputs are all
             # failures counts as failed, one that served anything as healthy
+            self._stalled = not outputs and not self.colocation.num_running()
             if outputs:
                 failed = all(out.finish_reason == "error" for out in outputs)
                 self._failed_steps = self._failed_steps + 1 if failed else 0
@@ -216,7 +244,7 @@ class AsyncEngine:
                        hints: dict | None = None, model: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as tokens arrive; abort it if the consumer goes away.
         ``model`` is the served base name (None: the only engine)."""
-        if not self.alive():
+        if not self.alive() or self._stop.is_set():
             raise RuntimeError("the engine thread is not running")
         if not self.has_room(workflow_id=_workflow_id(hints)):
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
@@ -242,7 +270,7 @@ class AsyncEngine:
     async def call(self, work):
         """Run ``work(engine)`` on the engine thread between steps (e.g. loading an adapter,
         which must not race a step) and return its result or raise its error."""
-        if not self.alive():
+        if not self.alive() or self._stop.is_set():
             raise RuntimeError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -123,6 +123,9 @@ class Colocation:
     def num_held(self) -> int:
         return sum(engine.num_held() for engine in self.engines.values())
 
+    def num_running(self) -> int:
+        return sum(engine.num_running() for engine in self.engines.values())
+
     def workflow_running(self, workflow_id: str | None) -> bool:
         return any(engine.workflow_running(workflow_id) for engine in self.engines.values())
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -264,7 +265,10 @@ def start(spec: EngineSpec, options: RayServeOptions, *, host: str = "127.0.0.1"
         ray.init(address=ray_address, include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-    serve.run(build_app(spec, options), name=APP_NAME, route_prefix="/", blocking=False)
+    # serve.run waits, without a timeout, for the app to run (replicas that cannot be placed:
+    # forever; a constructor that fails: a traceback); wait_healthy waits with both handled
+    serve.run_many([serve.RunTarget(build_app(spec, options), name=APP_NAME, route_prefix="/")],
+                   wait_for_applications_running=False)
     wait_healthy(options.replicas, timeout_s)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     _wait_answers(url, timeout_s)
@@ -301,11 +305,23 @@ def wait_healthy(replicas: int, timeout_s: float = 600) -> float:
     """Wait until ``replicas`` engine replicas run; returns when (time.monotonic())."""
     deadline = time.monotonic() + timeout_s
     while running_replicas() < replicas:
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.status == "DEPLOY_FAILED":  # e.g. a replica's engine refused its settings
+            messages = "\n".join([str(d.message or "") for d in app.deployments.values()] + [str(app.message or "")])
+            raise KvshareError(f"Ray Serve could not deploy kvshare: {_failure_reason(messages)}")
         if time.monotonic() > deadline:
             raise KvshareError(f"Ray Serve did not bring up {replicas} kvshare replicas in {timeout_s:.0f} s "
                                f"(status: {serve.status().applications.get(APP_NAME)})")
         time.sleep(0.2)
     return time.monotonic()
+
+
+def _failure_reason(message: str) -> str:
+    """One line of Ray Serve's failure message (a replica's traceback, often): kvshare's own
+    error where it is one, else the message's last line."""
+    found = re.search(r"KvshareError: ([^\n]+)", message)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return found.group(1).strip() if found else (lines[-1] if lines else "no reason given")
 
 
 def serve_forever(spec: EngineSpec, options: RayServeOptions, *, host: str = "127.0.0.1", port: int = 8000,

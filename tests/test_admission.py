@@ -154,6 +154,11 @@ def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokeni
         assert engine.num_held() == 1  # w2's call: still held behind w0 and w1
         with pytest.raises(Overloaded):
             asyncio.run(call("w3"))
+        # nothing runs and the held call waits: the engine thread waits too, it does not spin
+        # (each empty step counts one hold; spinning counted thousands a second)
+        holds = engine.stats()["admission_holds"]
+        time.sleep(0.5)
+        assert engine.stats()["admission_holds"] - holds <= 20
     finally:
         runner.shutdown()
 

@@ -64,3 +64,32 @@ def test_a_reader_behind_gets_the_output_made_before_a_failure_then_the_error(ba
     assert len(first.token_ids) < 3 and len(rest) == 1 or len(first.token_ids) == 3 and not rest
     assert len((rest or [first])[-1].token_ids) == 3  # the tokens made before the failure, once
     assert error is not None and "engine failure" in str(error)
+
+
+def test_a_stopped_engine_thread_refuses_new_work_and_answers_what_was_queued(base):
+    """Requests and calls queued as the thread stopped were never answered (their callers
+    waited forever); after shutdown, new ones are refused at once."""
+    import pytest
+
+    from kvshare.serve.async_engine import _Mailbox
+
+    runner = AsyncEngine(LLMEngine(base, kv_cache_tokens=1024, block_size=8))
+    runner.shutdown()
+
+    async def main():
+        with pytest.raises(RuntimeError, match="not running"):
+            await runner.generate([5, 6, 7], SamplingParams(max_tokens=2)).__anext__()
+        with pytest.raises(RuntimeError, match="not running"):
+            await runner.call(lambda engine: 1)
+        loop = asyncio.get_running_loop()
+        stream, future = _Mailbox(), loop.create_future()
+        runner._commands.put(("add", "late", None, [5], SamplingParams(), None, None, loop, stream))
+        runner._commands.put(("call", None, lambda engine: 1, loop, future))
+        runner._refuse_queued(RuntimeError("the server is shutting down"))
+        item = await asyncio.wait_for(stream.get(), 5)
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await asyncio.wait_for(future, 5)
+        return item
+
+    item = asyncio.run(main())
+    assert isinstance(item, RuntimeError) and "shutting down" in str(item)

@@ -191,3 +191,21 @@ def test_workflow_affinity_failover_and_control(spec, cluster):
           f"fail-over phase finished {finished - removed['monotonic']:.1f} s after the removal")
     print(f"[ray cache share] affinity: {affinity_share:.3f}; load balancing: {control_share:.3f} "
           f"({spread} of {WORKFLOWS} workflows spread over both replicas); test {time.monotonic() - began:.0f} s")
+
+
+@pytest.mark.ray
+def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spec, cluster):
+    """serve.run waited without a timeout for the app to run; when every replica's engine
+    refuses its settings, Ray marks the app failed and kvshare says why in one line."""
+    from dataclasses import replace
+
+    from kvshare.errors import KvshareError
+
+    from kvshare.serve.ray import APP_NAME
+
+    serve.delete(APP_NAME)  # the test above's app, if it ran: its replicas would count as up
+    bad = replace(spec, config=EngineConfig(kv_cache_tokens=4096, max_model_len=10 ** 6))
+    began = time.monotonic()
+    with pytest.raises(KvshareError, match="max_model_len"):
+        start(bad, RayServeOptions(replicas=1, threads_per_replica=1), port=free_port(), timeout_s=300)
+    assert time.monotonic() - began < 300
