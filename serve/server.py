@@ -616,8 +616,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             raise ApiError(503, f"server overloaded: {err}", kind="server_error") from None
         except KvshareError as err:
             raise ApiError(400, str(err)) from None
-        except RuntimeError as err:
-            raise ApiError(500, str(err), kind="server_error") from None
+        except RuntimeError as err:  # an engine thread gone: 503, which clients and routers retry elsewhere
+            raise ApiError(500 if runner.alive() else 503, str(err), kind="server_error") from None
         return first, stream
 
     async def start_all(jobs: list[tuple[list[int], SamplingParams]], base: str, adapter, hints: AgentHints,

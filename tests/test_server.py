@@ -290,7 +290,7 @@ def test_health_is_503_when_the_engine_thread_is_gone(base):
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         r = client.post("/v1/completions", json={"model": str(base), "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 500
+        assert r.status_code == 503  # retryable elsewhere, as Ray's router and clients do
 
 
 @pytest.mark.parametrize("where", ["colocation", "model"])
