@@ -226,8 +226,9 @@ class AsyncEngine:
             loop, stream = target
             try:
                 loop.call_soon_threadsafe(stream.put, item)
-            except RuntimeError:  # the client's event loop is gone: nobody to tell
+            except RuntimeError:  # the client's event loop is gone: nobody to tell, nobody to generate for
                 self._streams.pop(request_id, None)
+                self.colocation.abort(request_id)
 
     # asyncio side ----------------------------------------------------------------------------
     def has_room(self, n: int = 1, workflow_id: str | None = None) -> bool:

@@ -134,7 +134,10 @@ class Colocation:
         order. An engine whose step fails fails its own requests only (finish reason
         ``"error"``); the other models' requests go on."""
         if self.lending is not None:
-            self.lending.rebalance()
+            try:
+                self.lending.rebalance()
+            except Exception:  # a lending bug must not fail every model's requests: no moves this round
+                logger.exception("lending: rebalancing failed; the engines step with the blocks they hold")
         outputs: list[RequestOutput] = []
         for base, engine in self.engines.items():
             if not engine.has_unfinished():

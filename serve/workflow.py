@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..errors import KvshareError
 from .async_engine import AsyncEngine
 from .sampling import SamplingParams
 from .step_graph import StepGraph
@@ -104,6 +105,9 @@ class EngineBackend:
     """Calls the in-process engine (through its asyncio runner)."""
 
     def __init__(self, runner: AsyncEngine):
+        if len(runner.colocation.engines) != 1:
+            raise KvshareError("EngineBackend calls one engine; for co-located models use ServerBackend over "
+                               "their server (its model field picks the engine)")
         self.runner = runner
         self.tokenizer = runner.engine.tokenizer
 
@@ -176,7 +180,7 @@ class ServerBackend:
             if details and details.cached_tokens:
                 cached = details.cached_tokens
         if usage is None:  # the stream ended before its usage chunk: the server went away
-            raise _CutShort()
+            raise _CutShort("the stream ended without its usage chunk (the server went away)")
         first = first or time.perf_counter()
         self.calls.append({"workflow_id": hints["workflow_id"], "agent_id": hints["agent_id"],
                            "replica": raw.headers.get("x-kvshare-replica"), "node": raw.headers.get("x-kvshare-node"),

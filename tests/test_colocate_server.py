@@ -332,3 +332,33 @@ def test_serve_colocate_with_lending_serves_beyond_a_models_own_pool(cli, bases,
     tight, roomy = (("model_name", "tight"),), (("model_name", "roomy"),)
     assert metrics["kvshare:kv_blocks_borrowed"][("kvshare:kv_blocks_borrowed", tight)] > 0
     assert metrics["kvshare:kv_blocks_lent"][("kvshare:kv_blocks_lent", roomy)] > 0
+
+
+def test_a_failing_rebalance_fails_no_request(bases, adapter_dirs):
+    """Lending's rebalance ran outside the per-engine guard: one failure aborted every model's
+    requests. Now the round moves nothing and the engines step with what they hold."""
+    engines = engines_for(bases, adapter_dirs)
+    lending = RecordingLending(engines)
+
+    def broken() -> None:
+        lending.rebalances += 1
+        raise RuntimeError("simulated lending bug")
+
+    lending.rebalance = broken
+    with TestClient(create_app(Colocation(engines, lending))) as client:
+        bodies = [{"model": model, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True} for model in ("alpha", "beta")]
+        assert [r.status_code for r in post_all(client.app, bodies)] == [200, 200]
+    assert lending.rebalances > 0
+
+
+def test_the_in_process_workflow_backend_refuses_co_located_models(bases, adapter_dirs):
+    """It named no model, and read a tokenizer a Colocation has not: an AttributeError before."""
+    from kvshare.serve.async_engine import AsyncEngine
+    from kvshare.serve.workflow import EngineBackend
+
+    runner = AsyncEngine(Colocation(engines_for(bases, adapter_dirs), None))
+    try:
+        with pytest.raises(KvshareError, match="EngineBackend calls one engine"):
+            EngineBackend(runner)
+    finally:
+        runner.shutdown()
