@@ -311,6 +311,29 @@ def test_a_co_located_forkkv_engine_sizes_its_residual_pool_from_its_share(base,
     assert done[rid].finish_reason == "length"
 
 
+def test_a_streaming_engine_with_more_local_memory_than_is_lent_keeps_the_rest_as_streamed_home(base, tokenizer):
+    """SwiftCache's capacity rule: local memory beyond what the others can lend is worth more
+    as home blocks (streamed like lent ones) than as buffer rows nothing fills. All of it as
+    buffer served no more blocks than the others lent (9 here, of 80 rows)."""
+    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.config import EngineConfig
+
+    config = EngineConfig(block_size=4)
+    # long: 40 blocks' bytes locally = 80 one-layer rows (2 layers); agents: 12 blocks, 9 above their floor
+    colo = colocate([(str(base), [], config.updated(kv_cache_tokens=160, kv_stream=True), "long"),
+                     (str(base), [], config.updated(kv_cache_tokens=48), "agents")], lending=True)
+    long = colo.engines["long"]
+    # home = (80 - 9) // 3 = 23 blocks (46 rows' bytes), buffer = 34 rows; it may hold 23 + 9 = 32 blocks
+    assert long.kv_blocks_owned() == 23 and long.runner.stream.buffer_rows == 34 and long.max_kv_blocks == 32
+    prompt = long_prompt(tokenizer, 110)  # 28 blocks with its output: more than all 12 the agents have
+    want = private_outputs(base, {}, [(prompt, None, GREEDY)])[0]
+    request = colo.add_request("long", prompt, GREEDY)
+    done = {}
+    while colo.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in colo.step() if o.finished})
+    assert done[request] == want and long.stream_stats()["stream_layers_loaded"] > 0
+
+
 def test_a_failed_streaming_step_lands_its_write_back_before_its_blocks_are_freed(base, tokenizer, monkeypatch):
     """A step that fails after a layer's write-back started: the write lands before the failed
     request's blocks are freed (a lender may take them back and write its own KV there)."""

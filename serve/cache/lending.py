@@ -55,8 +55,11 @@ class LendingStats:
     log: deque = field(default_factory=lambda: deque(maxlen=256))  # (event, unit, from, to)
 
 
+FLOOR_FRACTION = 0.25  # the share of its home units an engine never lends (the default)
+
+
 class Lending:
-    def __init__(self, arena: KVArena, engines: dict[str, LLMEngine], floor_fraction: float = 0.25,
+    def __init__(self, arena: KVArena, engines: dict[str, LLMEngine], floor_fraction: float = FLOOR_FRACTION,
                  peak_window: int = 32):
         """``floor_fraction``: the share of its home units an engine never lends;
         ``peak_window``: the rounds over which an engine's peak running demand keeps what it
@@ -196,6 +199,25 @@ def build_arena(engines: dict[str, LLMEngine], home_blocks: dict[str, int],
     return arena
 
 
+def stream_split(engines: dict[str, LLMEngine], home_blocks: dict[str, int], name: str) -> tuple[int, int]:
+    """(home blocks in the arena, layer-buffer rows) of a layer-streaming engine whose local
+    memory is ``home_blocks[name]`` whole blocks, i.e. ``blocks x layers`` one-layer rows.
+    Every block it serves streams through a row; a home block costs ``layers`` rows of
+    local memory, a block the others lend none, so the split that serves the most,
+    ``rows = home + lent``, gives ``home = (rows_total - lent) / (layers + 1)``: SwiftCache's
+    capacity rule (:func:`.layer_stream.stream_capacity`), sized for the most the others can
+    lend (their homes above their floors). All local memory as buffer, as before, served
+    no more blocks than the others lent, whatever the buffer's rows."""
+    shape = engines[name].runner.block_shape()
+    lendable = sum(home_blocks[other] * engines[other].runner.block_shape().block_bytes
+                   for other in engines if other != name) * (1 - FLOOR_FRACTION)
+    lent = int(lendable // shape.block_bytes)
+    total_rows = home_blocks[name] * shape.layers
+    per_unit = math.lcm(*(e.runner.block_shape().block_bytes for e in engines.values())) // shape.block_bytes
+    home = max(0, (total_rows - lent) // (shape.layers + 1)) // per_unit * per_unit  # whole exchange units
+    return home, total_rows - home * shape.layers
+
+
 def colocate(models: list[tuple[str, list[str], EngineConfig, str]], lending: bool) -> Colocation:
     """Engines for ``models`` ((model, adapter dirs, config, served name) each) in one arena:
     each starts with its configured KV memory as its home share; with ``lending`` they lend
@@ -203,18 +225,18 @@ def colocate(models: list[tuple[str, list[str], EngineConfig, str]], lending: bo
     from ..colocate import Colocation  # both import the engine, which imports this package
     from ..engine import LLMEngine
 
-    engines, home, stream_rows = {}, {}, {}
+    engines, home, streaming = {}, {}, []
     for model, adapters, config, name in models:
         if name in engines:
             raise KvshareError(f"two co-located models are served as {name!r}")
         if config.kv_stream and not lending:
             raise KvshareError(f"{name!r}: the layer-stream cache streams lent memory; it needs lending")
         engine = LLMEngine(model, adapters, config.updated(kv_cache_tokens=config.block_size, kv_cache_bytes=None))
-        blocks = engine.runner.pool_blocks(config.kv_cache_tokens, config.kv_cache_bytes)
-        # a streaming engine's KV memory is its layer buffer: a whole block's bytes hold a
-        # row for one layer of `layers` blocks; all its KV lives in what the others lend
-        home[name] = 0 if config.kv_stream else blocks
-        stream_rows[name] = blocks * engine.runner.block_shape().layers if config.kv_stream else 0
+        home[name] = engine.runner.pool_blocks(config.kv_cache_tokens, config.kv_cache_bytes)
+        streaming += [name] if config.kv_stream else []
         engines[name] = engine
+    stream_rows = {}
+    for name in streaming:
+        home[name], stream_rows[name] = stream_split(engines, home, name)
     arena = build_arena(engines, home, stream_rows)
     return Colocation(engines, Lending(arena, engines) if lending else None)
