@@ -5,8 +5,9 @@ A long-context model and ``agents`` small chat engines share one KV arena
 partition. Modes, run one after the other in one process on the same requests:
 - ``static``: the arena stays a static partition (``colocate(..., lending=False)``);
 - ``lending``: idle blocks move between the engines (SwiftCache's elastic cache);
-- ``lending+stream``: lending, and the long model keeps only a layer buffer in its home share
-  (``kv_stream``) and streams every layer of its KV from what the agents lend. On one device
+- ``lending+stream``: lending, and the long model's home share becomes a layer buffer and home
+  blocks (``kv_stream``, split by :func:`kvshare.serve.cache.lending.stream_split`); every layer of
+  its KV streams through the buffer, from its home blocks and what the agents lend. On one device
   lent blocks are directly addressable, so this mode shows the stream's cost: it pays off
   only where the lender's memory is not (another GPU), which this machine cannot show.
 
@@ -415,8 +416,9 @@ def markdown(results: dict) -> str:
              f"torch {m['torch']} ({m['cpu_capability']}). Long model {s['model']} (home {s['home_tokens']} tokens), "
              f"{s['agents']} agent engines of {s['agent_model']} (home {s['agent_home_tokens']} tokens each), "
              f"block size {s['block_size']}.", "",
-             "`lending+stream`: the long model keeps only a layer buffer in its home share and streams every "
-             "layer of its KV from what the agents lend (simulated link on CPU). On one device lent blocks are "
+             "`lending+stream`: the long model's home share becomes a layer buffer and home blocks in the arena "
+             "(rows = home + what the agents can lend), and every layer of its KV streams through the buffer "
+             "(simulated link on CPU). On one device lent blocks are "
              "directly addressable, so it costs here what it would save across devices. Its steps run eager "
              "(the compiled CPU step takes no streamed cache) where the other modes' run compiled: its cost "
              "against `lending` includes that gap.", "",
