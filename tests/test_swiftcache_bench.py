@@ -25,9 +25,11 @@ def test_swiftcache_bench_measures_both_modes_and_writes_its_report(tiny_models,
     # maximum context: the static share vs every block the agents may lend (all but their 25% floors)
     assert static["max_context"]["kv_blocks"] == static["home_blocks"]["long"] == 128 // 8
     assert lending["max_context"]["kv_blocks"] == 16 + 2 * (16 - 4)
-    # layer stream: the long model's share is a buffer of 16 x 2 layers rows; its KV is all lent
+    # layer stream: the long model's share is 16 x 2 layers rows; the agents can lend 2 x 12 blocks,
+    # so it keeps (32 - 24) // 3 = 2 home blocks and 28 buffer rows, and holds 2 + 24 blocks
     stream = results["modes"]["lending+stream"]
-    assert stream["max_context"]["kv_blocks"] == min(16 * 2, 2 * (16 - 4))
+    assert stream["home_blocks"]["long"] == 2
+    assert stream["max_context"]["kv_blocks"] == min(32 - 2 * 2, 2 + 2 * (16 - 4))
     assert stream["mixed"]["failed"] == 0 and stream["mixed"]["long_stream"]["stream_layers_loaded"] > 0
     for mode in (static, lending):
         c = mode["max_context"]
