@@ -117,17 +117,15 @@ class AsyncEngine:
                 kind, request_id, *rest = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                loop, stream = rest[-2:]
-                self._streams[request_id] = (loop, stream)
-                self._deliver(request_id, error)
-                self._streams.pop(request_id, None)
-            elif kind == "call":
-                _, loop, future = rest
-                try:
+            try:
+                if kind == "add":
+                    loop, stream = rest[-2:]
+                    loop.call_soon_threadsafe(stream.put, error)
+                elif kind == "call":
+                    _, loop, future = rest
                     loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(error))
-                except RuntimeError:  # the caller's event loop is gone
-                    pass
+            except RuntimeError:  # the caller's event loop is gone: nobody to tell
+                pass
 
     def alive(self) -> bool:
         """Whether the engine thread is running."""

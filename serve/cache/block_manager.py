@@ -262,14 +262,14 @@ class BlockManager:
         self.stats.hit_tokens += min(seq.num_computed, prompt)
         if seq.forkkv:
             self.stats.forkkv_base_read_tokens += min(seq.base_cached, prompt)
-        used = hits[:seq.num_computed // self.block_size]  # the hits it resumes from, not all it found
-        self.stats.host_hit_tokens += sum(
-            max(0, min((i + 1) * self.block_size, prompt) - i * self.block_size)
-            for i, block_id in enumerate(used) if self.blocks[block_id].loaded_for == seq.request_id)
-        for index, owner, _ in chain[:seq.num_computed // self.block_size]:  # by whose KV they reused
-            tokens = min((index + 1) * self.block_size, len(seq.prompt)) - index * self.block_size
+        # the hits it resumes from (not all it found): by whose KV they reused, and those its own
+        # demand loaded back from the host tier
+        for index, owner, _ in chain[:seq.num_computed // self.block_size]:
+            tokens = min((index + 1) * self.block_size, prompt) - index * self.block_size
             if tokens > 0:
                 self.stats.hit_tokens_by_kind[self.layout.reuse_kind(seq, owner)] += tokens
+                if self.blocks[hits[index]].loaded_for == seq.request_id:
+                    self.stats.host_hit_tokens += tokens
 
     def _held_key(self, own: bytes, exact_base: bytes) -> bytes:
         """The key a ForkKV request reads a block under: its own, else the exact base's (read,
