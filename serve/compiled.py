@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from typing import Callable, NamedTuple
 
@@ -75,17 +76,36 @@ _stance_lock = threading.Lock()
 
 
 class _StepContext:
-    __slots__ = ("model", "kv_cache", "batch", "rows", "layer_rows", "attention")
+    __slots__ = ("model", "kv_cache", "batch", "rows", "layer_rows", "attention", "plan")
 
     def __init__(self, model: Model, kv_cache: torch.Tensor, batch: Batch, rows: int,
-                 layer_rows: list[tuple[torch.Tensor, ...]], ratio: int):
+                 layer_rows: list[tuple[torch.Tensor, ...]], ratio: int, native: bool):
+        """``native``: the graph calls ``kvshare::step_attention_cpu``, which takes the step's
+        :class:`cpu.StepPlan` (``plan``); else ``kvshare::step_attention`` below."""
         self.model, self.kv_cache, self.batch, self.rows = model, kv_cache, batch, rows
         self.layer_rows = layer_rows
+        self.attention, self.plan = None, None
+        if native:
+            self.plan = cpu.StepPlan(batch.attention, rows, cpu.chunk_kernel_takes(model.dtype, model.head_dim))
+            return
         # the torch or cpu kernels' work shared by every layer, done once (another backend gets the step as it is)
         choice = model.kernels.choice
         kernel = choice["paged_attention"] == "cpu" and kv_cache.dtype == model.dtype and cpu.available()
         ours = choice["write_kv"] == "torch" and (choice["paged_attention"] == "torch" or kernel)
         self.attention = StepAttention(batch.attention, rows, ratio, kernel) if ours else None
+
+
+def native_rows(model: Model) -> int:
+    """Buckets up to this many rows call the C++ op ``kvshare::step_attention_cpu`` for their KV
+    writes and attention (:file:`kvshare/kernels/cpu/step_attention.cpp`: no Python a layer):
+    where the "cpu" attention and the torch KV write are chosen and the extension is built; every
+    bucket where the kernel runs prompt chunks too, else the buckets whose sequences cannot hold a
+    prompt chunk (:data:`cpu.FEW_ROWS` rows). 0: none (the Python op, whatever the backends)."""
+    choice = model.kernels.choice
+    if choice["paged_attention"] != "cpu" or choice["write_kv"] != "torch" or not cpu.available():
+        return 0
+    cpu.register_step_op()  # before a graph that calls the op is traced or loaded from the cache
+    return sys.maxsize if cpu.chunk_kernel_takes(model.dtype, model.head_dim) else cpu.FEW_ROWS
 
 
 @torch.library.custom_op("kvshare::step_attention", mutates_args=())
@@ -146,11 +166,13 @@ class _Decoder(torch.nn.Module):
     (:class:`~kvshare.kernels.quant.Int8Weight`) becomes two parameters, its int8 rows and scales;
     an int4 one (:class:`~kvshare.kernels.quant.Int4Weight`) its packed groups and their scales and zeros."""
 
-    def __init__(self, model: Model, adapted: bool, packed: dict[str, torch.Tensor]):
+    def __init__(self, model: Model, adapted: bool, packed: dict[str, torch.Tensor], native: int):
         """``packed``: weights already in the dot-product kernel's order, by name, shared by the
-        graphs with and without adapters (filled by whichever is made first)."""
+        graphs with and without adapters (filled by whichever is made first); ``native``:
+        :func:`native_rows`."""
         super().__init__()
         self.model = model
+        self.native = native
         self.packed = packed
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
@@ -203,7 +225,8 @@ class _Decoder(torch.nn.Module):
         m = self.model
         h = F.embedding(tokens, self.embed)
         cos, sin = m.rope(h, positions)
-        attend = lambda i, q, k, v, x: torch.ops.kvshare.step_attention(q, k, v, i)  # noqa: E731
+        op = torch.ops.kvshare.step_attention_cpu if len(tokens) <= self.native else torch.ops.kvshare.step_attention
+        attend = lambda i, q, k, v, x: op(q, k, v, i)  # noqa: E731
         h = m.decoder(h, cos, sin, self._layers(), project, attend)
         return _rms_norm(h, self.final_norm, m.eps)
 
@@ -296,8 +319,9 @@ class CompiledStep(BucketedStep):
             torch._dynamo.config.accumulated_recompile_limit, 4096)
         super().__init__(model, max_rows, max_loras, max_lora_rank)
         packed: dict[str, torch.Tensor] = {}
+        self._native = native_rows(model)
         self._graphs: dict[bool, Callable] = {
-            adapted: torch.compile(_Decoder(model, adapted, packed).eval(), fullgraph=True, dynamic=False,
+            adapted: torch.compile(_Decoder(model, adapted, packed, self._native).eval(), fullgraph=True, dynamic=False,
                                    options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
         head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
         self._head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
@@ -324,7 +348,7 @@ class CompiledStep(BucketedStep):
         lora = ()
         if batch.lora_groups:
             lora = (*self.lora.row_inputs(batch.lora_groups, size, tokens.device), *self.lora.inputs())
-        hidden = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows))
+        hidden = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows, size))
         self.steps += 1
         return self._head(hidden.index_select(0, batch.logit_rows))
 
@@ -349,6 +373,8 @@ class CompiledStep(BucketedStep):
             self.traced.add((size, adapted))
         graphs = counters["stats"]["unique_graphs"]
         _step.context = context
+        if context.plan is not None:
+            context.plan.begin(context.kv_cache, self.model.scale)
         try:
             # freezing is read where torch.compile's options are not; set on every call, so that
             # any recompile freezes too (and is keyed by these weights in the on-disk cache).
@@ -368,6 +394,8 @@ class CompiledStep(BucketedStep):
             raise self.give_up(err, "compiling the CPU step") from err
         finally:
             _step.context = None
+            if context.plan is not None:
+                cpu.end_step()
             if not first and counters["stats"]["unique_graphs"] != graphs:
                 self.recompiles += 1
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
@@ -403,12 +431,14 @@ class CompiledStep(BucketedStep):
             batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
             lora = (*self.lora.row_inputs([], size, device), *self.lora.inputs()) if adapted else ()
             try:
-                self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0))
+                self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0, size))
             except StepUnavailable:
                 return
 
-    def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int) -> _StepContext:
+    def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int, size: int) -> _StepContext:
+        if size <= self._native:
+            return _StepContext(self.model, kv_cache, batch, rows, [], 0, native=True)
         if self._layer_rows[0] is not kv_cache:  # the views are the same every step: made once per KV memory
             self._layer_rows = (kv_cache, *layer_rows(kv_cache))
         _, views, ratio = self._layer_rows
-        return _StepContext(self.model, kv_cache, batch, rows, views, ratio)
+        return _StepContext(self.model, kv_cache, batch, rows, views, ratio, native=False)

@@ -158,6 +158,28 @@ def test_larger_buckets_take_a_prompt_chunk_with_the_decode_rows(base, adapters,
         LLM(base, compile="on", compile_max_rows=48, **SETTINGS)
 
 
+def test_decode_buckets_attend_in_the_cpp_op(engines, tokenizer, monkeypatch):
+    """In float32 (the kernel leaves prompt chunks to SDPA) buckets of up to FEW_ROWS rows call
+    ``kvshare::step_attention_cpu`` with the step's plan, larger ones the Python op; with the
+    torch attention chosen, every bucket takes the Python op. The same tokens as eager."""
+    from types import SimpleNamespace
+
+    compiled, eager = engines
+    assert compiled.engine.runner.compiled._native == cpu.FEW_ROWS
+    plans, begin = [], cpu.StepPlan.begin
+    monkeypatch.setattr(cpu.StepPlan, "begin", lambda plan, kv, scale: (plans.append(plan.rows), begin(plan, kv, scale)))
+    prompts = prompts_for(tokenizer, 2)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    got = _generate(compiled, prompts, [None, "icarus-a"], params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in _generate(eager, prompts, [None, "icarus-a"], params)]
+    assert plans.count(3) == 4  # base 1 + ICaRus pair 2, every decode step but the prompts' (eager)
+    model = SimpleNamespace(kernels=Kernels({"paged_attention": "torch"}), dtype=torch.float32, head_dim=64)
+    assert compiled_module.native_rows(model) == 0
+    model = SimpleNamespace(kernels=Kernels("cpu"), dtype=torch.bfloat16, head_dim=64)
+    assert compiled_module.native_rows(model) == (cpu.FEW_ROWS if not cpu.chunk_kernel_takes(torch.bfloat16, 64)
+                                                  else compiled_module.sys.maxsize)
+
+
 def test_steps_it_cannot_take_run_eager(engines, tokenizer):
     compiled, eager = engines
     runner = compiled.engine.runner

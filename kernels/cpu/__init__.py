@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import threading
@@ -42,7 +43,8 @@ from ..metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "int4_dequant.cpp", "linear_vnni.cpp", "bindings.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "step_attention.cpp", "int4_dequant.cpp",
+                                                   "linear_vnni.cpp", "bindings.cpp")]
 _lock = threading.Lock()
 _built: list = []  # [module or None] once tried
 
@@ -122,7 +124,12 @@ class Layout:
 
 
 def chunks_in_kernel(q: torch.Tensor) -> bool:
-    """Whether the kernel runs prompt chunks of ``q``'s dtype and head size, both the scores and
+    """:func:`chunk_kernel_takes` for ``q``'s dtype and head size."""
+    return chunk_kernel_takes(q.dtype, q.shape[-1])
+
+
+def chunk_kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs prompt chunks of this dtype and head size, both the scores and
     the weighted values: bfloat16 with 64-dim heads, on AMX tiles or else in AVX512-BF16 dot
     products. Measured on 2 Sapphire Rapids cores, 30 layers: a 60-row chunk after 1.5k cached
     keys took 20 ms on tiles against 32 ms for SDPA, a 1,024-row causal prompt 89 against 103 ms
@@ -130,7 +137,7 @@ def chunks_in_kernel(q: torch.Tensor) -> bool:
     where SDPA's CPU flash attention runs bfloat16 no faster than float32: see
     results/cpu-attention/session20/."""
     ext = extension()
-    return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ext.paged_attention_chunk_path() != ""
+    return dtype == torch.bfloat16 and head_dim == 64 and ext.paged_attention_chunk_path() != ""
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout, meta: AttentionMetadata,
@@ -175,3 +182,40 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     layout = last[1] if last[0] is meta else Layout(meta)
     _last = (meta, layout)
     return attend(q, k_cache, v_cache, layout, meta, scale, torch.empty_like(q))
+
+
+class StepPlan:
+    """A compiled step's rows as ``kvshare::step_attention_cpu`` (:file:`step_attention.cpp`) takes
+    them, handed to the extension once per step (:meth:`begin`) rather than once per layer: the
+    rows that write and their slots, and :class:`Layout`'s index tensors. Every sequence runs in
+    the kernel: a graph takes this op only where no prompt chunk would need SDPA (``chunks``:
+    the kernel runs them; else its buckets have at most :data:`FEW_ROWS` rows)."""
+
+    def __init__(self, meta: AttentionMetadata, rows: int, chunks: bool):
+        layout = Layout(meta, rows)
+        if layout.large and not chunks:
+            raise ValueError(f"a step of {rows} rows has prompt chunks the kernel does not run here")
+        self.seqs = layout.every_seq if layout.large else layout.seqs
+        self.layout, self.rows = layout, rows
+        self.write_rows = meta.write_rows
+        self.write_slots = meta.slot_mapping.index_select(0, meta.write_rows)
+
+    def begin(self, kv_cache: torch.Tensor, scale: float) -> None:
+        """Make this the plan of the step the calling thread runs next (until :func:`end_step`)."""
+        layout = self.layout
+        extension().step_attention_begin(kv_cache, self.write_rows, self.write_slots, layout.tables, layout.starts,
+                                         layout.row_lens, self.seqs, scale, self.rows)
+
+
+def end_step() -> None:
+    """Drop the calling thread's plan (its tensors are the step's)."""
+    extension().step_attention_end()
+
+
+@functools.cache
+def register_step_op() -> None:
+    """Give ``kvshare::step_attention_cpu`` (defined in C++ by the extension) its fake (shape)
+    function for tracing, once per process."""
+    if extension() is None:
+        raise RuntimeError("the C++ CPU kernels could not be built here")
+    torch.library.register_fake("kvshare::step_attention_cpu")(lambda q, k, v, layer: torch.empty_like(q))

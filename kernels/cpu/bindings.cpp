@@ -11,6 +11,10 @@ std::string paged_attention_chunk_path();
 void paged_attention_set_dpbf16(bool on);
 bool linear_vnni_available();
 torch::Tensor linear_vnni_pack(torch::Tensor weight);
+void step_attention_begin(torch::Tensor kv_cache, torch::Tensor write_rows, torch::Tensor write_slots,
+                          torch::Tensor tables, torch::Tensor starts, torch::Tensor row_lens, torch::Tensor seqs,
+                          double scale, int64_t rows);
+void step_attention_end();
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_set_amx", &paged_attention_set_amx);
   m.def("paged_attention_chunk_path", &paged_attention_chunk_path);
   m.def("paged_attention_set_dpbf16", &paged_attention_set_dpbf16);
+  m.def("step_attention_begin", &step_attention_begin);
+  m.def("step_attention_end", &step_attention_end);
   m.def("int4_expand", &int4_expand);
   m.def("linear_vnni_available", &linear_vnni_available);
   m.def("linear_vnni_pack", &linear_vnni_pack);
