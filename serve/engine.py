@@ -70,6 +70,7 @@ class LLMEngine:
                                   config.compile, min(config.compile_max_rows, config.max_num_batched_tokens),
                                   config.max_loras,
                                   config.max_lora_rank)
+        self.runner.eos_token_ids = self.eos_token_ids
         positions = int(getattr(self.runner.model.config, "max_position_embeddings", 4096))
         if config.max_model_len and config.max_model_len > positions:  # as vLLM: RoPE was not trained past them
             too_long = (f"max_model_len {config.max_model_len} is more than the model's {positions} positions "
@@ -199,6 +200,9 @@ class LLMEngine:
         bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise KvshareError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
+        if bad is not None:
+            raise KvshareError(f"allowed_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
         for name in ("logprobs", "prompt_logprobs"):  # topk over the vocabulary; past it a step would fail
             if (getattr(params, name) or 0) > vocab:
                 raise KvshareError(f"{name} ({getattr(params, name)}) is more than the vocabulary's {vocab} tokens")

@@ -83,6 +83,8 @@ def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int
     stop token's own text is left out (vLLM's rule; ``include_stop_str_in_output`` keeps both).
     """
     params, token = seq.params, seq.output[-1]
+    if len(seq.output) < params.min_tokens:  # vLLM's rule: before min_tokens only the context's end stops it
+        return ("length", None) if len(seq) >= max_model_len else (None, None)
     if not params.ignore_eos and token in eos_token_ids:
         return "stop", None
     if token in params.stop_token_ids:

@@ -56,6 +56,7 @@ class ModelRunner:
         elif graphs_wanted(compile_mode, device, self.model):
             self.compiled = GraphedStep(self.model, block_size, max_step_rows, max_loras, max_lora_rank)
         self.kernels = kernels
+        self.eos_token_ids: frozenset[int] = frozenset()  # the engine's, for min_tokens (set by it)
         self.block_size = block_size
         m = self.model
         self.kv_bytes_per_token = 2 * m.n_layers * m.n_kv * m.head_dim * torch.finfo(dtype).bits // 8
@@ -149,7 +150,7 @@ class ModelRunner:
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
         histories = [s.tokens if s.params.repetition_penalty != 1.0 else None for s in seqs]  # prompt + output
         tokens = sample_batch(logits.index_select(0, index), [s.params for s in seqs], [s.generator for s in seqs],
-                              histories)
+                              histories, [len(s.output) for s in seqs], self.eos_token_ids)
         # (logit row, token whose logprob is reported, how many alternatives): sampled rows that
         # asked for logprobs, and every prompt-scoring row
         wanted = [(row, token, seq.params.logprobs) for row, seq, token in zip(sample_rows, seqs, tokens)

@@ -1,6 +1,8 @@
 """The batched sampler: every logit row of a step in one call.
 
-Rows with a repetition penalty first have it applied to the logits of every token in their
+Rows still short of their ``min_tokens`` cannot draw an end-of-sequence or stop token, and rows
+with ``allowed_token_ids`` only those ids (vLLM's logits processors). Rows with a repetition
+penalty then have it applied to the logits of every token in their
 prompt and output so far (greedy rows too, as in transformers and vLLM). Greedy rows then take
 one argmax; sampled rows are scaled, top-k, top-p and min-p filtered together (per-row
 values as tensors; transformers' order: temperature, top-k, top-p, min-p), and drawn
@@ -15,6 +17,35 @@ from __future__ import annotations
 import torch
 
 from .sampling import SamplingParams
+
+
+def restrict(logits: torch.Tensor, params: list[SamplingParams], generated: list[int] | None,
+             eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Set to -inf the logits a row may not draw: its stop token ids and (unless it ignores them)
+    ``eos_token_ids`` while it has generated fewer than ``min_tokens`` (``generated``: tokens
+    so far per row), and every id outside its ``allowed_token_ids``."""
+    vocab, device = logits.shape[1], logits.device
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if generated is not None and generated[i] < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            ids = [t for t in ids if 0 <= t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows and not allowed:
+        return logits
+    logits = logits.clone()
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    if allowed:
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
+        row_of = [j for j, i in enumerate(allowed) for t in params[i].allowed_token_ids if t < vocab]
+        token_of = [t for i in allowed for t in params[i].allowed_token_ids if t < vocab]
+        keep[torch.tensor(row_of, dtype=torch.long, device=device), torch.tensor(token_of, dtype=torch.long, device=device)] = True
+        index = torch.tensor(allowed, device=device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
+    return logits
 
 
 def penalize(logits: torch.Tensor, params: list[SamplingParams],
@@ -68,17 +99,20 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def sampling_scores(logits: torch.Tensor, params: list[SamplingParams],
-                    histories: list[list[int] | None] | None = None) -> torch.Tensor:
+                    histories: list[list[int] | None] | None = None, generated: list[int] | None = None,
+                    eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
     """The scores each (non-greedy) row samples from: softmax of these is its distribution."""
-    return _warp(penalize(logits, params, histories), params)
+    return _warp(penalize(restrict(logits, params, generated, eos_token_ids), params, histories), params)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 histories: list[list[int] | None] | None = None) -> list[int]:
+                 histories: list[list[int] | None] | None = None, generated: list[int] | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
     """Next token of every row of float32 ``logits`` (rows, vocab); ``histories`` holds the
-    prompt and output tokens of each row with a repetition penalty (None elsewhere)."""
-    logits = penalize(logits, params, histories)
+    prompt and output tokens of each row with a repetition penalty (None elsewhere);
+    ``generated`` and ``eos_token_ids``: :func:`restrict`."""
+    logits = penalize(restrict(logits, params, generated, eos_token_ids), params, histories)
     tokens = torch.argmax(logits, dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -28,6 +28,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text), as vLLM
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no end-of-sequence token, stop token or stop string ends the output before this many
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids (None = all)
     logprobs: int | None = None  # number of top alternatives to report per token
     prompt_logprobs: int | None = None  # same for every prompt token (scoring, as in vLLM)
     cache_salt: str | None = None  # vLLM's per-tenant salt: only requests with the same salt share KV blocks
@@ -52,6 +54,12 @@ class SamplingParams:
                 raise KvshareError(f"{name} must be >= 0")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise KvshareError("cache_salt must be a non-empty string")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise KvshareError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise KvshareError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

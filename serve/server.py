@@ -110,15 +110,15 @@ class _OpenAIRequest(BaseModel):
     include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: the context)
     request_id: str | None = Field(None, min_length=1, max_length=256)  # names the reply's id, as in vLLM
+    min_tokens: int = Field(0, ge=0)  # no end-of-sequence, stop token or stop string ends a choice before these
+    allowed_token_ids: list[int] | None = None  # sample only among these token ids
     # ... or accepted at vLLM's defaults (VLLM_DEFAULTS); another value is a 400 that names it
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    min_tokens: int = 0
     priority: int = 0
     use_beam_search: bool = False
     length_penalty: float = 1.0
     return_tokens_as_token_ids: bool = False
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 
     @model_validator(mode="before")
@@ -128,9 +128,8 @@ class _OpenAIRequest(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     VLLM_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "skip_special_tokens": True, "spaces_between_special_tokens": True, "min_tokens": 0, "priority": 0,
-        "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
-        "allowed_token_ids": None, "bad_words": None}
+        "skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
+        "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False, "bad_words": None}
 
     def check_neutral(self) -> None:
         for name, default in self.VLLM_DEFAULTS.items():
@@ -572,6 +571,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                                   ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                                   seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),
                                   include_stop_str_in_output=req.include_stop_str_in_output,
+                                  min_tokens=req.min_tokens, allowed_token_ids=req.allowed_token_ids,
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except KvshareError as err:
             raise ApiError(400, str(err)) from None

@@ -11,7 +11,7 @@ import torch
 from kvshare.errors import KvshareError
 from kvshare.serve import LLM
 from kvshare.serve.output import IncrementalDetokenizer
-from kvshare.serve.sampler import logprobs_batch, sample_batch
+from kvshare.serve.sampler import logprobs_batch, restrict, sample_batch
 from kvshare.serve.sampling import SamplingParams
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
@@ -174,3 +174,50 @@ def test_min_p_and_repetition_penalty_are_validated_and_reach_the_engine(base, t
         assert token not in seen
         seen.add(token)
     assert strong.token_ids != plain.token_ids
+
+
+def test_min_tokens_and_allowed_token_ids_restrict_the_draw():
+    """vLLM's logits processors: a row short of its min_tokens cannot draw an end-of-sequence
+    (unless it ignores them) or stop token id; a row with allowed_token_ids draws among them only.
+    Rows without either are left alone."""
+    logits = torch.zeros(4, 10)
+    logits[:, 7] = 5.0  # everyone's greedy pick: 7
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[3]), SamplingParams(min_tokens=2),
+              SamplingParams(min_tokens=2, ignore_eos=True), SamplingParams(allowed_token_ids=[1, 2, 11])]
+    eos = frozenset({7})
+    assert sample_batch(logits, params, [None] * 4, generated=[1, 2, 0, 0], eos_token_ids=eos) == [
+        0, 7, 7, 1]  # 7 (eos) barred for row 0 only; row 3 among 1, 2 (11 is past this vocabulary)
+    scores = restrict(logits, params, [0, 0, 0, 0], eos)
+    assert torch.isinf(scores[0, [3, 7]]).all() and torch.isfinite(scores[0, :3]).all()
+    assert torch.isfinite(scores[2]).all()  # ignore_eos: the eos stays drawable
+    assert torch.isfinite(scores[3, [1, 2]]).all() and torch.isinf(scores[3]).sum() == 8
+    assert torch.equal(restrict(logits, [SamplingParams()] * 4, [0] * 4, eos), logits)
+    sampled = sample_batch(torch.randn(64, 10), [SamplingParams(temperature=1.0, allowed_token_ids=[4, 9])] * 64,
+                           [None] * 64)
+    assert set(sampled) <= {4, 9}
+    for bad in (dict(min_tokens=5, max_tokens=4), dict(min_tokens=-1), dict(allowed_token_ids=[]),
+                dict(allowed_token_ids=[-1])):
+        with pytest.raises(KvshareError, match="min_tokens|allowed_token_ids"):
+            SamplingParams(**bad)
+
+
+def test_min_tokens_hold_off_every_stop_in_the_engine(base, tokenizer):
+    """The greedy output's first token as a stop token ends a request at once; with min_tokens 3
+    that token is never drawn before the third and no stop string cuts the text before it (vLLM's
+    rule). allowed_token_ids past the vocabulary are refused."""
+    llm = LLM(base, kv_cache_tokens=1024, block_size=4)
+    prompt = prompts_for(tokenizer, 1)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    first = free.token_ids[0]
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first]))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    stop = [free.text[:2]]  # matched by the first token or two
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0].token_ids) <= 2
+    text = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=stop, min_tokens=6))[0]
+    assert len(text.token_ids) >= 6 and text.token_ids == free.token_ids[:len(text.token_ids)]
+    allowed = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=[5, 6]))[0]
+    assert set(allowed.token_ids) <= {5, 6}
+    with pytest.raises(KvshareError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[llm.engine.runner.vocab_size]))

@@ -1058,7 +1058,7 @@ def test_vllms_own_fields_at_their_defaults_are_accepted_and_other_values_named(
     r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "messages": messages, "max_tokens": 2,
                                                **at_defaults, **chat_defaults})
     assert r.status_code == 200, r.text
-    for path, extra, param in (("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+    for path, extra, param in (("/v1/completions", {"priority": 3}, "priority"),
                                ("/v1/completions", {"bad_words": ["x"]}, "bad_words"),
                                ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),  # below n: vLLM's 400 too
                                ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
@@ -1070,6 +1070,27 @@ def test_vllms_own_fields_at_their_defaults_are_accepted_and_other_values_named(
         body.update({"prompt": "a"} if path == "/v1/completions" else {"messages": messages})
         r = _post(server, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_min_tokens_and_allowed_token_ids_as_vllm(server, base):
+    """vLLM's min_tokens (no stop before them) and allowed_token_ids (sample only among them)
+    reach the sampler; min_tokens above max_tokens and ids past the vocabulary are 400s."""
+    tokenizer = server["engine"].tokenizer
+    prompt = tokenizer.encode("a", add_special_tokens=False)
+    base_request = {"model": "tiny-base", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    first = LLM(base, kv_cache_tokens=256, block_size=8).generate([prompt], SamplingParams(max_tokens=1))[0].token_ids[0]
+    r = _post(server, "/v1/completions", {**base_request, "stop_token_ids": [first]})
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "stop"
+    r = _post(server, "/v1/completions", {**base_request, "stop_token_ids": [first], "min_tokens": 4, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] >= 4, r.text
+    word = tokenizer.encode(" the", add_special_tokens=False)[0]
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "messages": [{"role": "user", "content": "a"}],
+                                               "max_tokens": 4, "allowed_token_ids": [word], "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == tokenizer.decode([word] * 4), r.text
+    for extra, words in (({"min_tokens": 7}, "min_tokens"), ({"allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids")):
+        r = _post(server, "/v1/completions", {**base_request, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 def test_a_request_without_model_runs_on_the_first_base(server):
