@@ -10,10 +10,12 @@ cycle steps every model with work, one after another.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from ..errors import KvshareError
@@ -26,6 +28,8 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 UNHEALTHY_AFTER = 3  # whole steps failing in a row: the engine, not one request, is broken
+PROBE_EVERY_S = 5.0  # an idle engine marked unhealthy checks itself at most this often
+PROBE_MAX_STEPS = 8  # a one-token probe finishes in one step (two with a host-tier load)
 
 
 class Overloaded(Exception):
@@ -76,17 +80,21 @@ def _workflow_id(hints: AgentHints | dict | None) -> str | None:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Colocation, max_waiting: int = 256):
         """Drive one engine or several co-located ones; ``max_waiting`` bounds the requests
-        queued across all of them. ``self.engine`` is the engine when there is one (what
+        queued for each of them (a burst to one model does not refuse another's requests, as
+        with a server per model). ``self.engine`` is the engine when there is one (what
         :meth:`call` hands its work), else the Colocation."""
         self.colocation = engine if isinstance(engine, Colocation) else Colocation({engine.model_name: engine})
         engines = list(self.colocation.engines.values())
         self.engine = engines[0] if len(engines) == 1 else self.colocation
         self.max_waiting = max_waiting
         self._commands: queue.Queue = queue.Queue()
+        self._queued: collections.Counter = collections.Counter()  # add commands not yet applied, by base
+        self._queued_lock = threading.Lock()  # the engine thread takes them off
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._failed_steps = 0  # steps in a row that failed as a whole
+        self._next_probe = 0.0  # monotonic time before which no health probe runs
         self._stalled = False  # the last step ran nothing though requests wait
         # the thread that built the engine keeps torch's OpenMP workers; beside the engine
         # thread's own they would slow every step (see .openmp)
@@ -119,6 +127,7 @@ class AsyncEngine:
                 return
             try:
                 if kind == "add":
+                    self._dequeued(rest[0])
                     loop, stream = rest[-2:]
                     loop.call_soon_threadsafe(stream.put, error)
                 elif kind == "call":
@@ -160,6 +169,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
+        if self._failed_steps >= UNHEALTHY_AFTER and not self.colocation.has_unfinished():
+            self._probe()
         if self.colocation.has_unfinished():
             try:
                 outputs = self.colocation.step()
@@ -185,6 +196,40 @@ class AsyncEngine:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
 
+    def _probe(self) -> None:
+        """An idle engine whose last steps all failed checks itself: a one-token request on each
+        model, through the same steps requests take. If every probe finishes, the failures were
+        the requests' own (one bad request retried by its client, on a replica serving nothing
+        else, fails every step it is in) and the engine is healthy again; else it stays
+        unhealthy (Ray replaces it) and probes again after ``PROBE_EVERY_S``. Probes count in
+        the engine's request counters like any request."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return
+        self._next_probe = now + PROBE_EVERY_S
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        ids: set[str] = set()
+        finished: set[str] = set()
+        try:
+            for base in self.colocation.engines:
+                ids.add(self.colocation.add_request(base, [0], params,
+                                                    request_id=f"kvshare-health-probe-{next(self._ids)}"))
+            for _ in range(PROBE_MAX_STEPS):
+                for out in self.colocation.step():
+                    if out.request_id in ids and out.finished:
+                        if out.finish_reason == "error":
+                            raise RuntimeError(f"health probe {out.request_id} failed")
+                        finished.add(out.request_id)
+                if finished == ids:
+                    break
+        except Exception:
+            logger.exception("engine health probe failed; the engine stays unhealthy")
+        for request_id in ids - finished:  # failed, or too slow to tell: no verdict either way
+            self.colocation.abort(request_id)
+        if ids and finished == ids:
+            logger.warning("engine health probe passed after %d failed steps; healthy again", self._failed_steps)
+            self._failed_steps = 0
+
     def _apply(self, command: tuple) -> None:
         kind, request_id, *rest = command
         if kind == "call":
@@ -195,6 +240,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             return
         model, prompt, params, adapter, hints, loop, stream = rest
+        self._dequeued(model)
         self._streams[request_id] = (loop, stream)
         try:
             self.colocation.add_request(model, prompt, params, adapter=adapter, request_id=request_id, hints=hints)
@@ -229,15 +275,30 @@ class AsyncEngine:
                 self.colocation.abort(request_id)
 
     # asyncio side ----------------------------------------------------------------------------
-    def has_room(self, n: int = 1, workflow_id: str | None = None) -> bool:
-        """Whether ``n`` more requests fit in the waiting queue now. A call of a workflow that
+    def _base(self, model: str | None) -> str:
+        """The served base name a request's ``model`` (None: the first) queues on."""
+        return next(iter(self.colocation.engines)) if model is None else model
+
+    def _dequeued(self, model: str | None) -> None:
+        with self._queued_lock:
+            self._queued[self._base(model)] -= 1
+
+    def has_room(self, n: int = 1, workflow_id: str | None = None, model: str | None = None) -> bool:
+        """Whether ``n`` more requests fit in base ``model``'s waiting queue now (its waiting
+        requests and those queued for it, not other models'). A call of a workflow that
         workflow admission has let in does not count the new workflows' calls held back: they
         must not crowd out the running workflows they wait behind (so the queue may hold up to
         twice ``max_waiting``, half of it held)."""
-        waiting = self.colocation.num_waiting()
-        if workflow_id is not None and self.colocation.workflow_running(workflow_id):
-            waiting -= self.colocation.num_held()
-        return waiting + self._commands.qsize() + n <= self.max_waiting
+        base = self._base(model)
+        engine = self.colocation.engines.get(base)
+        if engine is None:  # an unknown name: the engine thread refuses it with a clear error
+            return True
+        waiting = engine.num_waiting()
+        if workflow_id is not None and engine.workflow_running(workflow_id):
+            waiting -= engine.num_held()
+        with self._queued_lock:
+            queued = self._queued[base]
+        return waiting + queued + n <= self.max_waiting
 
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None = None,
                        hints: dict | None = None, model: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -245,10 +306,12 @@ class AsyncEngine:
         ``model`` is the served base name (None: the only engine)."""
         if not self.alive() or self._stop.is_set():
             raise RuntimeError("the engine thread is not running")
-        if not self.has_room(workflow_id=_workflow_id(hints)):
+        if not self.has_room(workflow_id=_workflow_id(hints), model=model):
             raise Overloaded(f"{self.max_waiting} requests are already waiting")
         request_id = f"cmpl-{next(self._ids)}"
         stream = _Mailbox()
+        with self._queued_lock:
+            self._queued[self._base(model)] += 1
         self._commands.put(("add", request_id, model, prompt, params, adapter, hints, asyncio.get_running_loop(),
                             stream))
         finished = False

@@ -629,7 +629,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             what = f"{len(jobs) // n} prompts x n={n}" if n > 1 else f"{len(jobs)} prompts"
             raise ApiError(400, f"{what} exceed the queue's capacity of {runner.max_waiting}",
                            param="n" if n > 1 else "prompt")
-        if not runner.has_room(len(jobs), hints.workflow_id):
+        if not runner.has_room(len(jobs), hints.workflow_id, base):
             raise ApiError(503, f"server overloaded: no room for {len(jobs)} more requests", kind="server_error")
         tasks = [asyncio.ensure_future(run(p, params, base, adapter, hints)) for p, params in jobs]
         try:

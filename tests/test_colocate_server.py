@@ -362,3 +362,19 @@ def test_the_in_process_workflow_backend_refuses_co_located_models(bases, adapte
             EngineBackend(runner)
     finally:
         runner.shutdown()
+
+
+def test_each_colocated_model_has_its_own_queue_budget(bases, adapter_dirs):
+    """max_waiting bounds each model's queue: requests waiting for (or queued to) one model do not
+    refuse another's, as with a server per model."""
+    from kvshare.serve.async_engine import AsyncEngine
+
+    engines = engines_for(bases, adapter_dirs)
+    runner = AsyncEngine(Colocation(engines, None), max_waiting=2)
+    runner.shutdown()  # the state below stays as set: nothing steps
+    alpha, beta = engines
+    for _ in range(2):
+        engines[alpha].add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    assert not runner.has_room(model=alpha) and runner.has_room(2, model=beta) and not runner.has_room(3, model=beta)
+    runner._queued[beta] += 1  # an add on its way to the engine thread counts for its model only
+    assert runner.has_room(model=beta) and not runner.has_room(2, model=beta)

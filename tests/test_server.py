@@ -322,6 +322,37 @@ def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypat
         assert client.get("/health").status_code == 200
 
 
+def test_one_bad_request_retried_on_a_quiet_replica_does_not_take_it_out(base, monkeypatch):
+    """A request the engine fails alone, retried by its client on a replica serving nothing
+    else, fails every step it runs in: three in a row mark the engine unhealthy, but the idle
+    engine then probes itself with a one-token request, which passes, and /health is 200 again
+    while the bad request still fails."""
+    from fastapi.testclient import TestClient
+
+    from kvshare.serve.async_engine import UNHEALTHY_AFTER
+
+    engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
+    poison = [7, 7, 7]
+    real = engine.runner.run
+
+    def fails_on_poison(plans, adapters):
+        if any(plan.seq.prompt == poison for plan in plans):
+            raise RuntimeError("simulated request-specific failure")
+        return real(plans, adapters)
+
+    monkeypatch.setattr(engine.runner, "run", fails_on_poison)
+    with TestClient(create_app(engine)) as client:
+        runner = client.app.state.runner
+        for _ in range(UNHEALTHY_AFTER):
+            assert client.post("/v1/completions", json={"prompt": poison, "max_tokens": 2}).status_code == 500
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/health").status_code == 200 and runner._failed_steps == 0
+        assert client.post("/v1/completions", json={"prompt": poison, "max_tokens": 2}).status_code == 500
+        assert client.post("/v1/completions", json={"prompt": [8, 9], "max_tokens": 2}).status_code == 200
+
+
 def test_serving_beyond_loopback_without_a_key_warns(cli, tmp_path, monkeypatch):
     monkeypatch.delenv("KVSHARE_API_KEY", raising=False)
     missing = tmp_path / "no-such-model"  # fails right after the warning: no server starts
