@@ -375,9 +375,9 @@ class CompiledStep(BucketedStep):
             self.traced.add((size, adapted))
         graphs = counters["stats"]["unique_graphs"]
         _step.context = context
-        if context.plan is not None:
-            context.plan.begin(context.kv_cache, self.model.scale)
         try:
+            if context.plan is not None:  # the C++ op's plan for this step, on this thread
+                context.plan.begin(context.kv_cache, self.model.scale)
             # freezing is read where torch.compile's options are not; set on every call, so that
             # any recompile freezes too (and is keyed by these weights in the on-disk cache).
             # From a fresh data-stack chunk: else the op's frames may map a chunk per layer (fresh_stack).

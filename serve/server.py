@@ -476,7 +476,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                generation_config: str = "auto") -> FastAPI:
     """The app over ``engine``, or over co-located engines (a :class:`Colocation`, served under
     its names; a request's ``model`` picks the engine); ``max_waiting`` overrides
-    ``limits.max_waiting`` (one queue for all). One engine answers to every name in
+    ``limits.max_waiting`` (a bound per model). One engine answers to every name in
     ``served_model_name`` (vLLM's flag; default: the engine's model name), the first of which
     the model list shows. ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter``. Engines whose config asks for ``warm_up`` compile their steps
