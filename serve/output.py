@@ -29,6 +29,7 @@ class RequestOutput:
     logprobs: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict | None] | None = None  # [None, {token, logprob, top}, ...]
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (None: EOS, length)
 
 
 class IncrementalDetokenizer:
@@ -81,6 +82,7 @@ def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int
     (:func:`kvshare.models.end_of_sequence_ids`). Returns (reason, cut): reason is "stop"
     or "length" (None: go on); cut is the text length to keep when a stop string matched or a
     stop token's own text is left out (vLLM's rule; ``include_stop_str_in_output`` keeps both).
+    A stop token id or stop string that ends it is noted in ``seq.stop_reason`` (vLLM's field).
     """
     params, token = seq.params, seq.output[-1]
     if len(seq.output) < params.min_tokens:  # vLLM's rule: before min_tokens only the context's end stops it
@@ -88,6 +90,7 @@ def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int
     if not params.ignore_eos and token in eos_token_ids:
         return "stop", None
     if token in params.stop_token_ids:
+        seq.stop_reason = token
         return "stop", None if params.include_stop_str_in_output else len(seq.detokenizer.text) - len(new_text)
     if params.stop and new_text:
         text = seq.detokenizer.text
@@ -96,6 +99,7 @@ def stop_reason(seq: Sequence, eos_token_ids: frozenset[int], max_model_len: int
         hits = [(i, -len(s)) for i, s in ((text.find(s, since), s) for s in params.stop) if i >= 0]
         if hits:
             start, minus_length = min(hits)  # the earliest match (the longest of those that start there)
+            seq.stop_reason = text[start:start - minus_length]
             return "stop", start - minus_length if params.include_stop_str_in_output else start
     if len(seq.output) >= params.max_tokens or len(seq) >= max_model_len:
         return "length", None
@@ -122,4 +126,4 @@ def make_output(seq: Sequence, text: str) -> RequestOutput:
     return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text,
                          seq.finish_reason is not None, seq.finish_reason, seq.adapter,
                          list(seq.logprobs), request_metrics(seq),
-                         list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+                         list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None, seq.stop_reason)

@@ -50,6 +50,7 @@ class Sequence:
     res_cached: int = 0  # leading tokens whose residual came from the cache (not rewritten)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)

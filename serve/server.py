@@ -477,8 +477,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     """The app over ``engine``, or over co-located engines (a :class:`Colocation`, served under
     its names; a request's ``model`` picks the engine); ``max_waiting`` overrides
     ``limits.max_waiting`` (a bound per model). One engine answers to every name in
-    ``served_model_name`` (vLLM's flag; default: the engine's model name), the first of which
-    the model list shows. ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
+    ``served_model_name`` (vLLM's flag; default: the engine's model name), each of which
+    the model list shows (as vLLM's). ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter``. Engines whose config asks for ``warm_up`` compile their steps
     here, with their adapters loaded, before the app answers. ``generation_config``: "auto"
     (vLLM's default) takes the sampling a request leaves out from each model's
@@ -685,7 +685,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     def stream_events(started: list, base: str, stops: list[str], chunk, final=None):
         """Server-sent events over every choice's stream, merged as their tokens arrive:
-        ``chunk(index, delta, finish_reason, opening)`` makes an event; ``final(outputs)``, if
+        ``chunk(index, delta, finish_reason, opening, stop_reason)`` makes an event; ``final(outputs)``, if
         given, the last one (the usage chunk). A choice that fails mid-stream ends the whole
         stream with an OpenAI-style error event, as in vLLM; a disconnect aborts every choice."""
         async def events():
@@ -705,7 +705,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                         delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
                         sent[index] += delta
                         if delta or out.finished:
-                            yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False))}\n\n"
+                            yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False, out.stop_reason))}\n\n"
                         if out.finished:
                             observe(out, base)
                         else:
@@ -792,6 +792,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         texts = token_texts(tokenizer, outs, req.echo) if req.logprobs is not None else {}
         generated = not req.prompt_only
         return [{"index": i, "finish_reason": out.finish_reason if generated else "length",
+                 "stop_reason": out.stop_reason if generated else None,
                  "text": (echoed(tokenizer, out.prompt_token_ids, prompt_texts[i // req.n]) if req.echo else "")
                  + (out.text if generated else ""),
                  "logprobs": None if req.logprobs is None else logprob_block(texts, out, req.echo, generated)}
@@ -807,7 +808,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         choices = []
         for index, out in enumerate(outs):
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
-                                      "finish_reason": out.finish_reason}
+                                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
             if logprobs:
                 choice["logprobs"] = {"content": [
                     {"token": texts[e["token"]], "logprob": e["logprob"], "bytes": utf8(texts[e["token"]]),
@@ -856,10 +857,11 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     def model_cards() -> list[dict]:
         now, data = int(time.time()), []
-        for base_name, engine in colocation.engines.items():  # each base, then its adapters
-            data.append({"id": base_name, "object": "model", "created": now, "owned_by": "kvshare",
-                         "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
-                         "kind": "base"})
+        for base_name, engine in colocation.engines.items():  # each base under each of its names, then its adapters
+            for name in [base_name, *(alias for alias, target in aliases.items() if target == base_name)]:
+                data.append({"id": name, "object": "model", "created": now, "owned_by": "kvshare",
+                             "root": str(engine.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                             "kind": "base"})
             for adapter in engine.adapters():
                 data.append({"id": adapter.name, "object": "model", "created": now, "owned_by": "kvshare",
                              "root": str(adapter.path), "parent": base_name, "kind": adapter.kind.value,
@@ -869,10 +871,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str):
         """OpenAI's retrieve-model: one card of :func:`models`, or a 404 naming the model."""
-        card = next((c for c in model_cards() if c["id"] == aliases.get(model, model)), None)
+        card = next((c for c in model_cards() if c["id"] == model), None)
         if card is None:
             raise ApiError(404, f"The model '{model}' does not exist", kind="not_found_error", param="model")
-        return {**card, "id": model}
+        return card
 
     @app.get("/version")
     async def version():
@@ -936,9 +938,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         obj = "text_completion" if isinstance(req, CompletionRequest) else "chat.completion.chunk"
         extra = {"usage": None} if req.include_usage else {}
 
-        def chunk(index, delta, finish, opening):
-            return {"id": rid, "object": obj, "created": created, "model": model,
-                    "choices": [{"index": index, **body(index, delta, finish, opening)}], **extra}
+        def chunk(index, delta, finish, opening, stop=None):
+            choice = {"index": index, **body(index, delta, finish, opening), "stop_reason": stop}
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], **extra}
 
         def final(outs):
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],

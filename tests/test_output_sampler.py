@@ -68,6 +68,7 @@ def test_stop_strings_match_across_tokens_and_cut_the_text(base, tokenizer):
     stop = free.text[3:6]  # three characters that likely span tokens
     cut = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and cut.text == free.text[:free.text.find(stop)]
+    assert cut.stop_reason == stop and free.stop_reason is None  # vLLM's field: the string that matched
 
 
 def test_batched_sampler_keeps_each_rows_semantics():
@@ -210,7 +211,7 @@ def test_min_tokens_hold_off_every_stop_in_the_engine(base, tokenizer):
     free = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     first = free.token_ids[0]
     stopped = llm.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first]))[0]
-    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
     held = llm.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
     stop = [free.text[:2]]  # matched by the first token or two

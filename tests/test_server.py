@@ -571,7 +571,9 @@ def test_lora_modules_and_served_model_name_flags(cli, base, adapters, monkeypat
     assert result.code == 0, result.err
     with TestClient(apps[0]) as local:
         cards = {c["id"]: c for c in local.get("/v1/models").json()["data"]}
-        assert set(cards) == {"tiny", "mine", "theirs"}
+        assert list(cards) == ["tiny", "alias", "mine", "theirs"]  # every served name, as vLLM lists them
+        assert cards["alias"]["root"] == cards["tiny"]["root"] and cards["alias"]["parent"] is None
+        assert local.get("/v1/models/alias").json()["id"] == "alias"
         assert cards["mine"]["root"] == str(adapters["lora-a"]) and cards["mine"]["parent"] == "tiny"
         for model in ("tiny", "alias", "mine", "theirs"):
             r = local.post("/v1/completions", json={"model": model, "prompt": "Rome is", "max_tokens": 2})
@@ -1112,6 +1114,12 @@ def test_min_tokens_and_allowed_token_ids_as_vllm(server, base):
     first = LLM(base, kv_cache_tokens=256, block_size=8).generate([prompt], SamplingParams(max_tokens=1))[0].token_ids[0]
     r = _post(server, "/v1/completions", {**base_request, "stop_token_ids": [first]})
     assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["choices"][0]["stop_reason"] == first  # vLLM's field: the stop token id
+    events = _events(server, "/v1/completions", {**base_request, "stop_token_ids": [first]})
+    assert [c["stop_reason"] for e in events for c in e["choices"]][-1] == first
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-base", "messages": [{"role": "user", "content": "a"}],
+                                               "max_tokens": 3, "ignore_eos": True})
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["choices"][0]["stop_reason"] is None
     r = _post(server, "/v1/completions", {**base_request, "stop_token_ids": [first], "min_tokens": 4, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] >= 4, r.text
     word = tokenizer.encode(" the", add_special_tokens=False)[0]
@@ -1169,6 +1177,7 @@ def test_stop_strings_and_stop_tokens_leave_the_text_unless_asked_to_stay(server
     kept = _post(server, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
     assert cut == text[:text.find(stop)]
     assert kept.json()["choices"][0]["text"] == text[:text.find(stop) + len(stop)]
+    assert kept.json()["choices"][0]["stop_reason"] == stop  # vLLM's field: the stop string that matched
 
 
 def test_truncate_prompt_tokens_and_request_id_as_vllm(server):
