@@ -142,9 +142,6 @@ class _OpenAIRequest(BaseModel):
                 raise ApiError(400, f"{name} is not supported", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
-        wants_logprobs = getattr(self, "logprobs", None)
-        if self.stream and wants_logprobs is not None and wants_logprobs is not False:  # 0 asks for them too
-            raise ApiError(400, "logprobs are not supported with stream: true", param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -177,6 +174,8 @@ class CompletionRequest(_OpenAIRequest):
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(400, "max_tokens 0 generates nothing: it takes echo: true (the prompt alone, scored)",
                            param="max_tokens")
+        if self.stream and self.echo and self.logprobs is not None:  # the prompt's scores are not streamed
+            raise ApiError(400, "echo with logprobs is not supported with stream: true", param="logprobs")
         if self.max_tokens == 0 and self.stream:
             raise ApiError(400, "max_tokens 0 (the prompt alone, scored) is not supported with stream",
                            param="max_tokens")
@@ -683,14 +682,19 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         observe(last, base)
         return last
 
-    def stream_events(started: list, base: str, stops: list[str], chunk, final=None):
+    def stream_events(started: list, base: str, stops: list[str], chunk, final=None, tokenizer=None):
         """Server-sent events over every choice's stream, merged as their tokens arrive:
-        ``chunk(index, delta, finish_reason, opening, stop_reason)`` makes an event; ``final(outputs)``, if
-        given, the last one (the usage chunk). A choice that fails mid-stream ends the whole
+        ``chunk(index, delta, finish_reason, opening, stop_reason, entries, offset, texts)`` makes an event; ``final(outputs)``, if
+        given, the last one (the usage chunk). A chunk carries the logprob entries of the tokens
+        generated since the last one (``entries``) and where its text starts in the choice's
+        (``offset``), and with ``tokenizer`` (logprobs asked for) their tokens' texts (``texts``, decoded
+        off the event loop); text held back (a stop string's possible start) holds nothing else back, as in vLLM.
+        A choice that fails mid-stream ends the whole
         stream with an OpenAI-style error event, as in vLLM; a disconnect aborts every choice."""
         async def events():
             streams = [stream for _, stream in started]
             outs, sent = [first for first, _ in started], [""] * len(started)
+            scored = [0] * len(started)  # logprob entries sent, per choice
             pending: dict[asyncio.Future, int] = {}
             try:
                 for index in range(len(started)):
@@ -703,9 +707,13 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                         if not out.finished:  # hold back half a character and what may begin a stop string
                             text = sent[index] if text.endswith("\ufffd") else text[:len(text) - _stop_prefix(text, stops)]
                         delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
+                        offset = len(sent[index])
                         sent[index] += delta
                         if delta or out.finished:
-                            yield f"data: {json.dumps(chunk(index, delta, out.finish_reason, False, out.stop_reason))}\n\n"
+                            entries, scored[index] = out.logprobs[scored[index]:], len(out.logprobs)
+                            texts = await off_loop(entry_texts, tokenizer, entries) if tokenizer and entries else {}
+                            body = chunk(index, delta, out.finish_reason, False, out.stop_reason, entries, offset, texts)
+                            yield f"data: {json.dumps(body)}\n\n"
                         if out.finished:
                             observe(out, base)
                         else:
@@ -746,6 +754,11 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
+    def entry_texts(tokenizer, entries: list[dict]) -> dict[int, str]:
+        """:func:`token_texts` of a stream chunk's few logprob entries (their tokens and alternatives)."""
+        ids = list({t for e in entries for t in (e["token"], *e["top"])})
+        return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))
+
     def token_texts(tokenizer, outs: list[RequestOutput], prompts: bool) -> dict[int, str]:
         """Each token's text (``decode([id])``) for every id the outputs' logprobs name (and
         their prompts'), decoded once per distinct id in one batch: an lm-eval request of 64
@@ -765,8 +778,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         text starts in the choice's text."""
         pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)) if echo else []
         pairs += [(e["token"], e) for e in out.logprobs] if generated else []
+        return completion_logprobs(texts, pairs)
+
+    def completion_logprobs(texts: dict[int, str], pairs: list[tuple[int, dict | None]], offset: int = 0) -> dict:
+        """:func:`logprob_block` of (token, entry) pairs whose text starts at ``offset``."""
         tokens = [texts[t] for t, _ in pairs]
-        offsets = list(itertools.accumulate((len(text) for text in tokens[:-1]), initial=0)) if tokens else []
+        offsets = list(itertools.accumulate((len(text) for text in tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": [e and e["logprob"] for _, e in pairs],
                 "top_logprobs": [e and top_by_text(texts, {t: e["logprob"], **e["top"]}) for t, e in pairs],
                 "text_offset": offsets}
@@ -810,13 +827,16 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
                                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
             if logprobs:
-                choice["logprobs"] = {"content": [
-                    {"token": texts[e["token"]], "logprob": e["logprob"], "bytes": utf8(texts[e["token"]]),
-                     "top_logprobs": [{"token": texts[t], "logprob": v, "bytes": utf8(texts[t])}
-                                      for t, v in e["top"].items()]}
-                    for e in out.logprobs]}
+                choice["logprobs"] = chat_logprobs(texts, out.logprobs)
             choices.append(choice)
         return choices
+
+    def chat_logprobs(texts: dict[int, str], entries: list[dict]) -> dict:
+        """OpenAI's chat logprobs of ``entries``: each token's text, logprob, bytes and alternatives."""
+        return {"content": [
+            {"token": texts[e["token"]], "logprob": e["logprob"], "bytes": utf8(texts[e["token"]]),
+             "top_logprobs": [{"token": texts[t], "logprob": v, "bytes": utf8(texts[t])} for t, v in e["top"].items()]}
+            for e in entries]}
 
     async def prompts_of(req: CompletionRequest, engine: LLMEngine) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids (truncated as asked) and its text as the client sent it
@@ -938,8 +958,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         obj = "text_completion" if isinstance(req, CompletionRequest) else "chat.completion.chunk"
         extra = {"usage": None} if req.include_usage else {}
 
-        def chunk(index, delta, finish, opening, stop=None):
-            choice = {"index": index, **body(index, delta, finish, opening), "stop_reason": stop}
+        def chunk(index, delta, finish, opening, stop=None, entries=(), offset=0, texts=None):
+            choice = {"index": index, **body(index, delta, finish, opening, list(entries), offset, texts or {}),
+                      "stop_reason": stop}
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], **extra}
 
         def final(outs):
@@ -972,11 +993,15 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         echoes = await off_loop(lambda: [echoed(engine.tokenizer, p, t) for p, t in zip(prompts, prompt_texts)]) \
             if req.echo else []
 
-        def body(index, delta, finish, opening):  # with echo, a choice's first chunk is its prompt (vLLM)
+        def body(index, delta, finish, opening, entries, offset, texts):  # with echo, a choice's first chunk is its prompt (vLLM)
             text = echoes[index // req.n] if opening and req.echo else delta or ""
-            return {"text": text, "finish_reason": None if opening else finish, "logprobs": None}
+            logprobs = None
+            if req.logprobs is not None and not opening:
+                logprobs = completion_logprobs(texts, [(e["token"], e) for e in entries], offset)
+            return {"text": text, "finish_reason": None if opening else finish, "logprobs": logprobs}
 
-        return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body))
+        return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body),
+                             tokenizer=engine.tokenizer if req.logprobs is not None else None)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -993,12 +1018,14 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                                                         adapter, hints_of(req, request), req.n))
         rid, created = reply_id("chatcmpl", req), int(time.time())
 
-        def body(index, delta, finish, opening):
+        def body(index, delta, finish, opening, entries, offset, texts):
             content = {"role": "assistant", "content": ""} if opening else ({"content": delta} if delta else {})
-            return {"delta": content, "finish_reason": None if opening else finish}
+            logprobs = chat_logprobs(texts, entries) if req.logprobs and not opening else None
+            return {"delta": content, "logprobs": logprobs, "finish_reason": None if opening else finish}
 
         if req.stream:
-            return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body))
+            return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body),
+                                 tokenizer=engine.tokenizer if req.logprobs else None)
         outs = await unless_gone(request, collect_all(started, base))
         choices = await off_loop(chat_choices, engine.tokenizer, outs, bool(req.logprobs))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,

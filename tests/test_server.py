@@ -851,14 +851,28 @@ def test_null_fields_take_their_defaults_and_chat_may_use_the_rest_of_the_contex
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16, r.text
 
 
-@pytest.mark.parametrize("body", [{"logprobs": 0}, {"logprobs": 2}])
-def test_logprobs_with_stream_are_400_not_silently_dropped(server, body):
-    r = httpx.post(server["url"] + "/v1/completions", headers=AUTH, timeout=60,
-                   json={"model": "tiny-base", "prompt": "Hi", "max_tokens": 2, "stream": True, **body})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    r = httpx.post(server["url"] + "/v1/chat/completions", headers=AUTH, timeout=60,
-                   json={"model": "tiny-base", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                         "stream": True, "logprobs": True})
+@pytest.mark.parametrize("k", [0, 2])
+def test_streamed_logprobs_equal_the_reply_not_streamed(server, k):
+    """Each chunk carries the logprobs of the tokens generated since the last (vLLM's shape): put
+    together they are the whole reply's, tokens, logprobs, alternatives and text offsets (greedy,
+    so both runs pick the same tokens); chat too. Echo with logprobs is not streamed: a 400."""
+    body = {"model": "tiny-base", "prompt": "Hi there", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": k}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    parts = [c["logprobs"] for e in _events(server, "/v1/completions", body) for c in e["choices"] if c["logprobs"]]
+    for key in ("tokens", "text_offset"):
+        assert sum((p[key] for p in parts), []) == whole[key]
+    assert sum((p["token_logprobs"] for p in parts), []) == pytest.approx(whole["token_logprobs"], abs=1e-5)
+    assert [sorted(t) for p in parts for t in p["top_logprobs"]] == [sorted(t) for t in whole["top_logprobs"]]
+    chat = {"model": "tiny-base", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": k}
+    whole = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    events = _events(server, "/v1/chat/completions", chat)
+    parts = [entry for e in events for c in e["choices"] if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert [(p["token"], p["bytes"], len(p["top_logprobs"])) for p in parts] == [
+        (w["token"], w["bytes"], len(w["top_logprobs"])) for w in whole]
+    assert [p["logprob"] for p in parts] == pytest.approx([w["logprob"] for w in whole], abs=1e-5)
+    r = _post(server, "/v1/completions", {**body, "echo": True, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
@@ -1028,8 +1042,12 @@ def test_logprob_responses_are_built_off_the_event_loop(cli, base, monkeypatch):
         assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4 + 3
         assert r.json()["choices"][0]["logprobs"]["tokens"][:4] == [tokenizer.decode([t]) for t in (5, 6, 7, 5)]
         r = local.post("/v1/chat/completions", json={"model": str(base), "messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+                                                     "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                                                     "ignore_eos": True})  # sampled: an early EOS would end it
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"]) == 3, r.text
+        r = local.post("/v1/completions", json={"model": str(base), "prompt": [5, 6, 7], "max_tokens": 3,
+                                                "logprobs": 1, "stream": True, "ignore_eos": True})
+        assert r.status_code == 200 and '"token_logprobs"' in r.text  # streamed: the chunks' texts too
     assert on_loop and not any(on_loop)
 
 
