@@ -331,7 +331,11 @@ class LLMEngine:
                 self.sequences.pop(seq.request_id, None)
                 self._agents.on_finish(seq.agent)
                 self._count_end(seq.finish_reason)
-            outputs.append(make_output(seq, texts[seq.request_id]))
+            try:
+                outputs.append(make_output(seq, texts[seq.request_id]))
+            except Exception:  # this request alone: it ends with an error, the step's other outputs go out
+                logger.exception("request %s: building its output failed; failing the request", seq.request_id)
+                outputs.append(self._fail_built(seq))
         self.counters["generated_tokens"] += len(sampled)
         return outputs
 
@@ -365,6 +369,16 @@ class LLMEngine:
         self._agents.on_finish(seq.agent)
         self._count_end("error")
         return make_output(seq, seq.detokenizer.text)
+
+    def _fail_built(self, seq: Sequence) -> RequestOutput:
+        """A bare ``"error"`` output for ``seq`` (ended here if it was still running), made
+        without what failed to build its output."""
+        if seq.status is not Status.FINISHED:
+            self._scheduler.finish(seq, "error")
+            self.sequences.pop(seq.request_id, None)
+            self._agents.on_finish(seq.agent)
+            self._count_end("error")
+        return RequestOutput(seq.request_id, list(seq.prompt), list(seq.output), "", True, "error", seq.adapter)
 
     def _count_end(self, reason: str) -> None:
         """A request ended: count it by finish reason, and as aborted, failed or finished."""

@@ -335,3 +335,33 @@ def test_a_fault_in_one_requests_text_fails_only_that_request(base, adapters, to
     for i in (0, 1, 2, 4):
         assert done[ids[i]].token_ids == clean[clean_ids[i]].token_ids, i
     assert engine.stats()["blocks_in_use"] == 0 and engine.counters["failed"] == 1
+
+
+def test_an_output_that_fails_to_build_fails_its_request_alone(base, tokenizer, monkeypatch):
+    """Building one request's output raises mid-run: that request ends once with finish reason
+    "error" (its blocks freed, counted as failed) and the other request of the same steps runs on
+    to its end, instead of the step failing and the first request's stream never hearing of it."""
+    import kvshare.serve.engine as engine_module
+
+    llm = LLM(base, kv_cache_tokens=512, block_size=4)
+    engine = llm.engine
+    prompts = prompts_for(tokenizer, 2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    bad, good = (engine.add_request(p, params) for p in prompts)
+    real, calls = engine_module.make_output, []
+
+    def flaky(seq, text):
+        calls.append(seq.request_id)
+        if seq.request_id == bad and calls.count(bad) == 2:  # its second output (a decode step)
+            raise ValueError("simulated")
+        return real(seq, text)
+
+    monkeypatch.setattr(engine_module, "make_output", flaky)
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert [o.finish_reason for o in outs[bad]] == [None, "error"]
+    assert outs[good][-1].finish_reason == "length" and len(outs[good][-1].token_ids) == 4
+    assert engine.stats()["failed"] == 1 and not engine.sequences
+    assert engine.stats()["blocks_in_use"] == 0  # the failed request's blocks were freed too
