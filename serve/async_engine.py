@@ -28,7 +28,7 @@ from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 UNHEALTHY_AFTER = 3  # whole steps failing in a row: the engine, not one request, is broken
-PROBE_EVERY_S = 5.0  # an idle engine marked unhealthy checks itself at most this often
+PROBE_EVERY_S = 5.0  # an idle engine marked unhealthy checks itself this long after its last failure, then as often
 PROBE_MAX_STEPS = 8  # a one-token probe finishes in one step (two with a host-tier load)
 
 
@@ -176,6 +176,7 @@ class AsyncEngine:
                 outputs = self.colocation.step()
             except Exception as err:  # not one request's fault (the engine isolates those): fail all
                 self._failed_steps += 1
+                self._next_probe = time.monotonic() + PROBE_EVERY_S
                 logger.exception("engine step failed; aborting the requests in flight")
                 for request_id in list(self._streams):
                     self.colocation.abort(request_id)
@@ -189,6 +190,8 @@ class AsyncEngine:
             if outputs:
                 failed = all(out.finish_reason == "error" for out in outputs)
                 self._failed_steps = self._failed_steps + 1 if failed else 0
+                if failed:
+                    self._next_probe = time.monotonic() + PROBE_EVERY_S
             for out in outputs:
                 failed = out.finish_reason == "error"  # the engine failed this request alone
                 self._deliver(out.request_id, RuntimeError("engine failure while running this request "
@@ -197,12 +200,12 @@ class AsyncEngine:
                     self._streams.pop(out.request_id, None)
 
     def _probe(self) -> None:
-        """An idle engine whose last steps all failed checks itself: a one-token request on each
-        model, through the same steps requests take. If every probe finishes, the failures were
-        the requests' own (one bad request retried by its client, on a replica serving nothing
-        else, fails every step it is in) and the engine is healthy again; else it stays
-        unhealthy (Ray replaces it) and probes again after ``PROBE_EVERY_S``. Probes count in
-        the engine's request counters like any request."""
+        """An idle engine whose last steps all failed checks itself, ``PROBE_EVERY_S`` after the
+        last failure: a one-token request on each model, through the same steps requests take.
+        If every probe finishes, the failures were the requests' own (one bad request retried
+        by its client, on a replica serving nothing else, fails every step it is in) and the
+        engine is healthy again; else it stays unhealthy (Ray replaces it) and probes again
+        after ``PROBE_EVERY_S``. Probes count in the engine's request counters like any request."""
         now = time.monotonic()
         if now < self._next_probe:
             return

@@ -684,17 +684,18 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
 
     def stream_events(started: list, base: str, stops: list[str], chunk, final=None, tokenizer=None):
         """Server-sent events over every choice's stream, merged as their tokens arrive:
-        ``chunk(index, delta, finish_reason, opening, stop_reason, entries, offset, texts)`` makes an event; ``final(outputs)``, if
-        given, the last one (the usage chunk). A chunk carries the logprob entries of the tokens
-        generated since the last one (``entries``) and where its text starts in the choice's
-        (``offset``), and with ``tokenizer`` (logprobs asked for) their tokens' texts (``texts``, decoded
-        off the event loop); text held back (a stop string's possible start) holds nothing else back, as in vLLM.
-        A choice that fails mid-stream ends the whole
-        stream with an OpenAI-style error event, as in vLLM; a disconnect aborts every choice."""
+        ``chunk(index, delta, finish_reason, opening, stop_reason, entries, offset, texts)`` makes an
+        event; ``final(outputs)``, if given, the last one (the usage chunk). With ``tokenizer``
+        (logprobs asked for) a chunk carries the logprob entries of the tokens generated since the
+        last one (``entries``), their texts (``texts``, decoded off the event loop) and the first
+        one's text offset (``offset``: the texts of the tokens before it, as the reply not streamed
+        counts them); text held back (a stop string's possible start) holds nothing else back, as
+        in vLLM. A choice that fails mid-stream ends the whole stream with an OpenAI-style error
+        event, as in vLLM; a disconnect aborts every choice."""
         async def events():
             streams = [stream for _, stream in started]
             outs, sent = [first for first, _ in started], [""] * len(started)
-            scored = [0] * len(started)  # logprob entries sent, per choice
+            scored, offsets = [0] * len(started), [0] * len(started)  # logprob entries sent and their texts' length
             pending: dict[asyncio.Future, int] = {}
             try:
                 for index in range(len(started)):
@@ -707,11 +708,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                         if not out.finished:  # hold back half a character and what may begin a stop string
                             text = sent[index] if text.endswith("\ufffd") else text[:len(text) - _stop_prefix(text, stops)]
                         delta = text[len(sent[index]):] if text.startswith(sent[index]) else ""
-                        offset = len(sent[index])
                         sent[index] += delta
                         if delta or out.finished:
                             entries, scored[index] = out.logprobs[scored[index]:], len(out.logprobs)
                             texts = await off_loop(entry_texts, tokenizer, entries) if tokenizer and entries else {}
+                            offset = offsets[index]
+                            offsets[index] += sum(len(texts[e["token"]]) for e in entries) if texts else 0
                             body = chunk(index, delta, out.finish_reason, False, out.stop_reason, entries, offset, texts)
                             yield f"data: {json.dumps(body)}\n\n"
                         if out.finished:
