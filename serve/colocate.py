@@ -19,6 +19,7 @@ from ..errors import KvshareError
 from .config import EngineConfig
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
+from .output import error_output
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class Colocation:
         outs = []
         for request_id, seq in list(engine.sequences.items()):
             engine.abort(request_id, reason="error")  # counted as failed, as its finish reason says
-            outs.append(RequestOutput(request_id, list(seq.prompt), list(seq.output), "", True, "error", seq.adapter))
+            outs.append(error_output(seq))
         return outs
 
     # what /metrics shows -----------------------------------------------------------------------

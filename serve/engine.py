@@ -35,7 +35,7 @@ from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .hints import AgentHints
-from .output import IncrementalDetokenizer, RequestOutput, make_output, stop_reason
+from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -364,21 +364,21 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence) -> RequestOutput:
         """End ``seq`` with finish reason ``"error"`` and free its blocks."""
-        self._scheduler.finish(seq, "error")
-        self.sequences.pop(seq.request_id, None)
-        self._agents.on_finish(seq.agent)
-        self._count_end("error")
+        self._end_failed(seq)
         return make_output(seq, seq.detokenizer.text)
 
     def _fail_built(self, seq: Sequence) -> RequestOutput:
         """A bare ``"error"`` output for ``seq`` (ended here if it was still running), made
         without what failed to build its output."""
         if seq.status is not Status.FINISHED:
-            self._scheduler.finish(seq, "error")
-            self.sequences.pop(seq.request_id, None)
-            self._agents.on_finish(seq.agent)
-            self._count_end("error")
-        return RequestOutput(seq.request_id, list(seq.prompt), list(seq.output), "", True, "error", seq.adapter)
+            self._end_failed(seq)
+        return error_output(seq)
+
+    def _end_failed(self, seq: Sequence) -> None:
+        self._scheduler.finish(seq, "error")
+        self.sequences.pop(seq.request_id, None)
+        self._agents.on_finish(seq.agent)
+        self._count_end("error")
 
     def _count_end(self, reason: str) -> None:
         """A request ended: count it by finish reason, and as aborted, failed or finished."""

@@ -122,6 +122,11 @@ def request_metrics(seq: Sequence) -> dict:
     }
 
 
+def error_output(seq: Sequence) -> RequestOutput:
+    """A bare ``"error"`` output for ``seq``: no text, nothing that could fail to build."""
+    return RequestOutput(seq.request_id, list(seq.prompt), list(seq.output), "", True, "error", seq.adapter)
+
+
 def make_output(seq: Sequence, text: str) -> RequestOutput:
     return RequestOutput(seq.request_id, seq.prompt, list(seq.output), text,
                          seq.finish_reason is not None, seq.finish_reason, seq.adapter,

@@ -756,22 +756,27 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.metrics["prompt_tokens_cached"] for o in firsts)}}
 
-    def entry_texts(tokenizer, entries: list[dict]) -> dict[int, str]:
-        """:func:`token_texts` of a stream chunk's few logprob entries (their tokens and alternatives)."""
-        ids = list({t for e in entries for t in (e["token"], *e["top"])})
-        return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))
+    def entry_ids(entries) -> set[int]:
+        """The token ids logprob entries name: each chosen token and its alternatives."""
+        return {t for e in entries if e for t in (e["token"], *e["top"])}
 
-    def token_texts(tokenizer, outs: list[RequestOutput], prompts: bool) -> dict[int, str]:
-        """Each token's text (``decode([id])``) for every id the outputs' logprobs name (and
-        their prompts'), decoded once per distinct id in one batch: an lm-eval request of 64
-        long prompts with echo names hundreds of thousands."""
-        ids = {e["token"] for out in outs for e in out.logprobs}
-        ids.update(t for out in outs for e in out.logprobs for t in e["top"])
-        if prompts:
-            ids.update(t for out in outs for t in out.prompt_token_ids)
-            ids.update(t for out in outs for e in (out.prompt_logprobs or []) if e for t in e["top"])
+    def decode_each(tokenizer, ids: set[int]) -> dict[int, str]:
+        """Each id's text (``decode([id])``), decoded once per distinct id in one batch."""
         ids = list(ids)
         return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids])))
+
+    def entry_texts(tokenizer, entries: list[dict]) -> dict[int, str]:
+        """:func:`token_texts` of a stream chunk's few logprob entries."""
+        return decode_each(tokenizer, entry_ids(entries))
+
+    def token_texts(tokenizer, outs: list[RequestOutput], prompts: bool) -> dict[int, str]:
+        """Each token's text for every id the outputs' logprobs name (and their prompts'): an
+        lm-eval request of 64 long prompts with echo names hundreds of thousands."""
+        ids = entry_ids(e for out in outs for e in out.logprobs)
+        if prompts:
+            ids.update(t for out in outs for t in out.prompt_token_ids)
+            ids |= entry_ids(e for out in outs for e in (out.prompt_logprobs or []))
+        return decode_each(tokenizer, ids)
 
     def logprob_block(texts: dict[int, str], out: RequestOutput, echo: bool, generated: bool = True) -> dict:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has
