@@ -12,7 +12,8 @@ step's structure from a thread-local context: writing KV and paged attention (a 
 of many sequences, with host-side lists; what every layer shares is worked out once per
 step, :mod:`kvshare.kernels.step_attention`). Where the C++ attention runs, the op is C++ too
 (``kvshare::step_attention_cpu``, :func:`native_rows`), its plan handed over once per step:
-the Python op cost 41-43 us a layer around a 13 us kernel (results/engine-cpu-bf16/session31-spr/op_parts.txt). The adapters' LoRA deltas run inside the
+the Python op cost 41-43 us a layer around a 13 us kernel
+(results/engine-cpu-bf16/session31-spr/op_parts.txt). The adapters' LoRA deltas run inside the
 graph, from slot stacks that are graph inputs (:mod:`.lora_slots`): adapters come and go at
 run time without a recompile. The graph has static shapes: a step's rows are padded up to
 a bucket (1, 2, 4, 8 or 16 rows; up to 128 with ``compile_max_rows``, so that a short prompt
