@@ -40,9 +40,9 @@ def restrict(logits: torch.Tensor, params: list[SamplingParams], generated: list
         logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
     if allowed:
         keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
-        row_of = [j for j, i in enumerate(allowed) for t in params[i].allowed_token_ids if t < vocab]
-        token_of = [t for i in allowed for t in params[i].allowed_token_ids if t < vocab]
-        keep[torch.tensor(row_of, dtype=torch.long, device=device), torch.tensor(token_of, dtype=torch.long, device=device)] = True
+        pairs = [(j, t) for j, i in enumerate(allowed) for t in params[i].allowed_token_ids if t < vocab]
+        row_of, token_of = torch.tensor(pairs, dtype=torch.long, device=device).reshape(-1, 2).unbind(1)
+        keep[row_of, token_of] = True
         index = torch.tensor(allowed, device=device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
     return logits

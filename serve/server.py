@@ -714,8 +714,9 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                             texts = await off_loop(entry_texts, tokenizer, entries) if tokenizer and entries else {}
                             offset = offsets[index]
                             offsets[index] += sum(len(texts[e["token"]]) for e in entries) if texts else 0
-                            body = chunk(index, delta, out.finish_reason, False, out.stop_reason, entries, offset, texts)
-                            yield f"data: {json.dumps(body)}\n\n"
+                            event = chunk(index, delta, out.finish_reason, False, out.stop_reason, entries, offset,
+                                          texts)
+                            yield f"data: {json.dumps(event)}\n\n"
                         if out.finished:
                             observe(out, base)
                         else:
@@ -1000,7 +1001,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         echoes = await off_loop(lambda: [echoed(engine.tokenizer, p, t) for p, t in zip(prompts, prompt_texts)]) \
             if req.echo else []
 
-        def body(index, delta, finish, opening, entries, offset, texts):  # with echo, a choice's first chunk is its prompt (vLLM)
+        def body(index, delta, finish, opening, entries, offset, texts):  # with echo, a first chunk is the prompt (vLLM)
             text = echoes[index // req.n] if opening and req.echo else delta or ""
             logprobs = None
             if req.logprobs is not None and not opening:

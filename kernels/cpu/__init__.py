@@ -20,9 +20,9 @@ AMX tiles or AVX512-BF16 dot products (``paged_attention_chunk_path()``: ``"amx"
 
 The compiled CPU step calls the kernel through the torch op ``kvshare::step_attention_cpu``
 (:file:`step_attention.cpp`), which also writes the layer's K/V, from a per-thread plan
-(:class:`StepPlan`) handed over once per step. The same extension unpacks PyTorch's packed int4 weights for prompt chunks
-(:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`) and multiplies
-bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the ops
+(:class:`StepPlan`) handed over once per step. The same extension unpacks PyTorch's packed int4
+weights for prompt chunks (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`)
+and multiplies bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the ops
 ``kvshare::linear_vnni`` and ``kvshare::linear_vnni_lora``, which adds each row's LoRA delta from
 the slot stacks in the same pass; :mod:`.linear`).
 """
