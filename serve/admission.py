@@ -15,15 +15,25 @@ hints named a next call (``steps_to_execution`` not empty), unless it has not be
 ``idle_s`` seconds (a client that went away between calls; ``--workflow-idle-s``). Its *footprint* is the distinct KV
 blocks of its agents' last calls (a shared ICaRus context counts once, private LoRA copies once
 each), or, before any call has finished, the blocks its first call needs. A workflow's context
-grows with its turns, so each live workflow, and the one asking, is counted at no less than
-the mean final footprint of the last workflows that ended (an application's workflows look
-alike; without that floor, workflows admitted on their first call's footprint outgrew the
-pool together). A call of a workflow not live is admitted when those estimates fit the pool,
-or when no workflow is live; calls without a workflow id are never held.
+grows with its turns (an application's workflows look alike), so each live workflow, and the
+one asking, is counted at no less than
+
+- the mean final footprint of the last workflows that ended, and
+- its footprint plus the calls its schedule still names (at least one per agent named, and as
+  many as the farthest agent's steps), each growing it by the mean growth per call measured on
+  the workflows that made a second call (live or ended).
+
+Without the first, workflows admitted on their first call's footprint outgrew the pool together
+(session 24). Without the second, the same happened before any workflow had ended: 32 ReAct
+workflows of 8 ICaRus agents at 1 workflow/s admitted 12 at the start, and 17 of their later calls
+found part of their context evicted, 10 most of it (results/workflow-e2e/session32-spr). A call of a workflow not
+live is admitted when those estimates fit the pool, or when no workflow is live; calls without a
+workflow id are never held.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,10 +53,28 @@ class _Workflow:
     first_need: int = 0  # blocks its first call needed (its footprint until a call finishes)
     blocks: dict[str, frozenset[int]] = field(default_factory=dict)  # agent -> blocks of its last call
     distinct: int = 0  # blocks in the union of ``blocks``: counted when a call ends, read every step a call is held
+    calls: int = 0  # its calls that ended holding blocks
+    after_first: int = 0  # its footprint when its first call ended
+    ahead: int = 0  # calls its latest schedule names after the call that sent it
     seen: float = field(default_factory=time.monotonic)
 
     def footprint(self) -> int:
         return self.distinct if self.blocks else self.first_need
+
+    def growth(self) -> float | None:
+        """Blocks its footprint grew by per call after its first (None before a second ended)."""
+        return (self.distinct - self.after_first) / (self.calls - 1) if self.calls > 1 else None
+
+    def calls_to_grow(self) -> int:
+        """Calls whose growth its footprint does not hold yet: those in flight (once a call has
+        ended; the first call's own blocks are in its footprint) and those its schedule names."""
+        return self.ahead + (self.in_flight if self.blocks else 0)
+
+
+def calls_ahead(steps: dict[str, int] | None) -> int:
+    """The fewest calls a schedule (``steps_to_execution``) names: one per agent, and a chain to
+    the farthest one."""
+    return max(len(steps), max(steps.values())) if steps else 0
 
 
 class WorkflowAdmission:
@@ -58,12 +86,14 @@ class WorkflowAdmission:
         self.capacity, self.block_size, self.idle_s = capacity_blocks, block_size, idle_s
         self.workflows: dict[str, _Workflow] = {}
         self.ended: deque[int] = deque(maxlen=RECENT)  # final footprints of the last workflows that ended
+        self.ended_growth: deque[float] = deque(maxlen=RECENT)  # their growth per call (those with two calls)
         self.held = 0  # times a call was held back (once per step it waited)
 
     def arrived(self, seq: Sequence) -> None:
         workflow = self._state(seq)
         if workflow is not None:
             workflow.in_flight += 1
+            workflow.ahead = calls_ahead(seq.hints.steps_to_execution)
 
     def allows(self, seq: Sequence, behind_held: bool = False) -> bool:
         """Whether ``seq`` may be admitted now (admitting its workflow if it is not yet).
@@ -80,7 +110,14 @@ class WorkflowAdmission:
         admitted = [w for w in self.workflows.values() if w.admitted]
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)
         floor = sum(self.ended) // len(self.ended) if self.ended else 0
-        if admitted and sum(max(w.footprint(), floor) for w in admitted) + max(need, floor) > self.capacity():
+        growths = [g for g in (w.growth() for w in admitted) if g is not None] + list(self.ended_growth)
+        rate = sum(growths) / len(growths) if growths else 0.0
+
+        def estimate(footprint: int, calls: int) -> int:
+            return max(footprint + math.ceil(rate * calls), floor)
+
+        projected = sum(estimate(w.footprint(), w.calls_to_grow()) for w in admitted)
+        if admitted and projected + estimate(need, workflow.ahead) > self.capacity():
             self.held += 1
             return False
         workflow.admitted, workflow.first_need = True, need
@@ -93,6 +130,7 @@ class WorkflowAdmission:
             raise KvshareError("cannot forget the workflows while their calls are in the engine")
         self.workflows.clear()
         self.ended.clear()
+        self.ended_growth.clear()
 
     def finished(self, seq: Sequence) -> None:
         """A call ended (or was aborted) holding these blocks: its agent's share of its workflow's
@@ -105,6 +143,9 @@ class WorkflowAdmission:
         if workflow.admitted and seq.block_table:
             workflow.blocks[seq.hints.agent_id or seq.request_id] = frozenset(seq.block_table)
             workflow.distinct = len(frozenset().union(*workflow.blocks.values()))
+            workflow.calls += 1
+            if workflow.calls == 1:
+                workflow.after_first = workflow.distinct
 
     def holds(self, seq: Sequence) -> bool:
         """Whether ``seq`` is a call of a workflow not admitted yet (a pure read: callable from
@@ -138,6 +179,8 @@ class WorkflowAdmission:
             if not workflow.due:  # its last call named no next one: it ended
                 if workflow.admitted and workflow.blocks:
                     self.ended.append(workflow.footprint())
+                    if workflow.growth() is not None:
+                        self.ended_growth.append(workflow.growth())
                 del self.workflows[name]
             elif now - workflow.seen > self.idle_s:  # gone between calls: not a footprint to learn from
                 del self.workflows[name]

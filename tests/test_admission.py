@@ -126,6 +126,42 @@ def test_workflows_count_at_least_the_footprint_of_those_that_ended(base, tokeni
     assert {s.request_id for s in engine._scheduler.waiting} == {first[1]}
 
 
+def test_a_growing_workflow_counts_the_calls_its_schedule_names_before_any_workflow_ended(base, tokenizer):
+    """w0's context grew from its first call to its second and its schedule names three more
+    calls: it counts as its footprint plus three times that growth. A new workflow's first call
+    (26 blocks, three calls ahead) is held beside it, although no workflow has ended and the
+    footprints alone (w0's and the first call's) fit the 64-block pool; once w0 ends it runs."""
+    engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
+    admission = engine._scheduler.admission
+    ahead = {"workflow_id": "w0", "steps_to_execution": {"b": 1, "c": 2, "d": 3}}
+    a = engine.add_request(_context(tokenizer, 0), PARAMS, hints={**ahead, "agent_id": "a"})
+    done = _run(engine)
+    grown = (_context(tokenizer, 0) + done[a] + _context(tokenizer, 5))[:120]
+    b = engine.add_request(grown, PARAMS, hints={"workflow_id": "w0", "agent_id": "b",
+                                                 "steps_to_execution": {"c": 1, "d": 2, "e": 3}})
+    done = _run(engine)
+    w0 = admission.workflows["w0"]
+    assert w0.growth() >= 5 and w0.calls_to_grow() == 3 and not admission.ended
+    assert w0.footprint() + 26 <= 64  # on footprints alone, the new workflow would run
+    held = engine.add_request(_context(tokenizer, 1), PARAMS,
+                              hints={"workflow_id": "w1", "agent_id": "a", "steps_to_execution": {"b": 1, "c": 2, "d": 3}})
+    engine.step()
+    assert held in {s.request_id for s in engine._scheduler.waiting} and admission.held == 1
+    last = engine.add_request(grown + done[b], PARAMS, hints={"workflow_id": "w0", "agent_id": "c",
+                                                              "steps_to_execution": {}})
+    done = _run(engine)
+    assert {last, held} <= set(done)
+
+
+def test_calls_ahead_of_a_schedule():
+    from kvshare.serve.admission import calls_ahead
+
+    assert calls_ahead(None) == calls_ahead({}) == 0
+    assert calls_ahead({"b": 1, "c": 2, "d": 3}) == 3  # a chain
+    assert calls_ahead({**{f"map{i}": 1 for i in range(7)}, "reduce": 2}) == 8  # seven at once, then one
+    assert calls_ahead({"a": 4}) == 4  # three calls of others before it
+
+
 def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokenizer):
     """The server's queue is full of a new workflow's held call: a call of a running workflow
     still gets in (and runs); one of another new workflow is refused."""
