@@ -121,11 +121,15 @@ class _OpenAIRequest(BaseModel):
     return_tokens_as_token_ids: bool = False
     bad_words: list[str] | None = None
 
+    KEEP_NULL: ClassVar[tuple[str, ...]] = ()  # fields where null means something else than the default
+
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data):
         """OpenAI's optional fields are "X or null"; null asks for the default, as in vLLM."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in cls.KEEP_NULL}
 
     VLLM_DEFAULTS: ClassVar[dict[str, Any]] = {
         "skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
@@ -159,7 +163,9 @@ class _Lenient(BaseModel):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)  # 0 with echo: the prompt alone, scored (vLLM's echo without generation)
+    # 0 with echo: the prompt alone, scored (vLLM's echo without generation); null: the rest of the context (vLLM)
+    max_tokens: int | None = Field(16, ge=0)
+    KEEP_NULL: ClassVar[tuple[str, ...]] = ("max_tokens",)
     logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
     echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
     best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
@@ -983,15 +989,19 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         model = req.model or base
         check_limits(req, limits, engine.runner.vocab_size)
         prompts, prompt_texts = await prompts_of(req, engine)
-        for prompt in prompts:
-            check_prompt(engine, prompt, max(req.max_tokens, 1))
+        # the prompt alone is scored by a step that samples one token, which the reply leaves out;
+        # no limit: each prompt gets the rest of the context (vLLM)
+        max_tokens_each = [max(req.max_tokens, 1) if req.max_tokens is not None
+                           else max(1, engine.max_request_tokens() - len(prompt)) for prompt in prompts]
+        for prompt, max_tokens in zip(prompts, max_tokens_each):
+            check_prompt(engine, prompt, max_tokens)
         scored = req.logprobs if req.echo else None
-        # the prompt alone is scored by a step that samples one token, which the reply leaves out
-        params = params_of(req, engine, max(req.max_tokens, 1), req.logprobs, prompt_logprobs=scored)
+        params_each = [params_of(req, engine, max_tokens, req.logprobs, prompt_logprobs=scored)
+                       for max_tokens in max_tokens_each]
         rid, created = reply_id("cmpl", req), int(time.time())
         # choice index = prompt index * n + sample, as in OpenAI; gathered, so every job is
         # queued before any finishes and they share batches (and the prompt's blocks)
-        jobs = [(prompt, p) for prompt in prompts for p in choice_params(params, req.n)]
+        jobs = [(prompt, p) for prompt, params in zip(prompts, params_each) for p in choice_params(params, req.n)]
         started = await unless_gone(request, start_all(jobs, base, adapter, hints_of(req, request), req.n))
         if not req.stream:
             outs = await unless_gone(request, collect_all(started, base))
@@ -1008,7 +1018,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                 logprobs = completion_logprobs(texts, [(e["token"], e) for e in entries], offset)
             return {"text": text, "finish_reason": None if opening else finish, "logprobs": logprobs}
 
-        return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body),
+        return stream_events(started, base, params_each[0].stop, *chunker(rid, created, req, model, body),
                              tokenizer=engine.tokenizer if req.logprobs is not None else None)
 
     @app.post("/v1/chat/completions")

@@ -835,9 +835,10 @@ def test_a_stream_holds_back_what_may_begin_a_stop_string(server, tokenizer):
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_null_fields_take_their_defaults_and_chat_may_use_the_rest_of_the_context(server):
+def test_null_fields_take_their_defaults_and_max_tokens_null_is_the_rest_of_the_context(server):
     """OpenAI's optional fields are "X or null"; a chat without max_tokens may run to the end of
-    the context (the test server's is 256 tokens), as in OpenAI and vLLM."""
+    the context (the test server's is 256 tokens), as in OpenAI and vLLM, and so may a completion
+    whose max_tokens is null (vLLM; left out, it is 16)."""
     url = server["url"]
     chat = {"model": "tiny-base", "messages": [{"role": "user", "content": "Count: one two"}], "temperature": 0,
             "top_p": None, "n": None, "stream": None, "max_tokens": None, "logprobs": None, "seed": None,
@@ -847,8 +848,14 @@ def test_null_fields_take_their_defaults_and_chat_may_use_the_rest_of_the_contex
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == server["engine"].max_model_len
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
-                   json={"model": "tiny-base", "prompt": "Hi", "temperature": None, "max_tokens": None, "echo": None})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16, r.text
+                   json={"model": "tiny-base", "prompt": "Hi", "temperature": None, "echo": None, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120,
+                   json={"model": "tiny-base", "prompt": ["Hi", "Count: one two"], "max_tokens": None,
+                         "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]  # each of the two prompts ran to the end of the context
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2 * server["engine"].max_model_len
 
 
 @pytest.mark.parametrize("k", [0, 2])
