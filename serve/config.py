@@ -32,7 +32,7 @@ class EngineConfig:
     kernels: str = "auto"  # kernel backends ("auto": the device's fast path; "torch": the references)
     compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
     compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
-    max_loras: int = 8  # adapter slots the compiled step's LoRA stacks hold (vLLM's name); more run eager
+    max_loras: int = 8  # adapters one compiled step holds in its LoRA slots (vLLM's name); any number may be loaded
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager
     warm_up: bool = False  # servers: compile every step bucket before answering (vLLM captures at startup)
     eviction_policy: str = "lru"  # lru | step (KVFlow: by the agents' steps to execution)
@@ -111,8 +111,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
                    help="the compiled step's largest batch bucket (default 16: decode steps); 32-128 also "
                    "compile short prompt chunks with the decode rows beside them, one more graph each")
     g.add_argument("--max-loras", type=int, default=8,
-                   help="adapter slots the compiled step holds in its LoRA stacks (default 8); steps with "
-                   "adapters past them run eager")
+                   help="adapters one step may hold in the compiled step's LoRA slots (default 8; as in vLLM, "
+                   "any number may be loaded: a step's adapters are swapped into the slots)")
     g.add_argument("--max-lora-rank", type=int, default=64,
                    help="largest adapter rank those stacks take (default 64); higher ranks run eager")
     g.add_argument("--warm-up", action="store_true",

@@ -92,7 +92,8 @@ class LLMEngine:
         admission = (WorkflowAdmission(lambda: self._blocks.num_blocks, config.block_size, config.workflow_idle_s)
                      if config.workflow_admission else None)
         self._scheduler = Scheduler(self._blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                    compiled.buckets if compiled is not None else (), admission)
+                                    compiled.buckets if compiled is not None else (), admission,
+                                    config.max_loras if compiled is not None else None)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
         self._adapters.default_kv_layout = config.kv_layout
         if config.kv_layout == "forkkv":

@@ -10,10 +10,18 @@ as inputs. Each row picks its slot's weights by index, so every row of a step, w
 of adapters, is one fused reduction per projection inside the graph; a row without adapter
 takes slot 0 with scale 0. Where the projections run in dot products (bfloat16 decode buckets,
 :mod:`kvshare.kernels.cpu.linear`), the deltas run inside that op instead, in the same pass over
-the weight, and rows of scale 0 skip them. Loading or unloading an adapter rewrites slots in place: the
-graph stays, unless the stacks' rank has to grow (the next power of two of the largest rank,
-at least 8, at most ``max_rank``). Adapters past ``max_loras`` slots or ``max_rank`` run on
-the eager step.
+the weight, and rows of scale 0 skip them.
+
+As in vLLM, ``max_loras`` bounds the adapters of one step, not the adapters loaded: a step's
+adapters are brought into the stacks when it runs (:meth:`LoraSlots.serves`), each into a free
+slot or the one least recently read by a step, and the scheduler keeps a step's adapters within
+``max_loras`` (:class:`~.scheduler.Scheduler`). Why: slots fixed by load order left every adapter
+past the 8th on the eager step, and an 8-pair ICaRus step with one of them took 3.2x its
+compiled time (results/workflow-e2e/session32-spr/pair_steps.txt, 16 agents). Rewriting a slot
+copies one adapter's A and B. Loading, unloading or swapping an adapter rewrites slots in place:
+the graph stays, unless the stacks' rank has to grow (the next power of two of the largest rank,
+at least 8, at most ``max_rank``). Adapters of a rank past ``max_rank``, or with several scales,
+run on the eager step.
 
 Only the projections some adapter adapts get deltas (:attr:`LoraSlots.parts`): ICaRus
 adapters leave k/v to the base, so their graph skips 2 of 7 projections' reductions (in an
@@ -70,36 +78,60 @@ class LoraSlots:
         self.shapes = {name: (inputs.get(name, hidden), sizes[name]) for name in PARTS}
         self.rank = 0  # the stacks' rank; 0 = not allocated
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.scales: list[float] = []  # per slot; 0 where the slot is empty or not served here
-        self.resident: set[int] = set()  # slots whose adapter the stacks hold
+        self.scales: list[float] = []  # per stack slot; 0 where the slot is empty
+        self.servable: dict[int, LoadedAdapter] = {}  # adapter (its AdapterSet slot) -> weights, those the stacks take
+        self.resident: dict[int, int] = {}  # adapter -> the stack slot holding it now
+        self.last_used: list[int] = []  # per stack slot: the step that last read it
+        self.swaps = 0  # adapters written into a stack slot for a step that needed them
         self.parts: tuple[str, ...] = ()  # projections the graph adapts, in PARTS order
         self._version = -1
+        self._steps = 0
 
-    def fits(self, adapter: LoadedAdapter | None, slot: int) -> bool:
-        """Whether the stacks serve ``adapter`` in ``slot``."""
-        return (adapter is not None and slot < self.max_loras and adapter.rank <= self.max_rank
-                and _single_scale(adapter) is not None)
+    def fits(self, adapter: LoadedAdapter | None) -> bool:
+        """Whether the stacks can take ``adapter`` (its rank, one scale for all its weights)."""
+        return adapter is not None and adapter.rank <= self.max_rank and _single_scale(adapter) is not None
 
-    def serves(self, slots) -> bool:
-        """Whether every adapter slot in ``slots`` is in the stacks (after :meth:`sync`)."""
-        return all(slot in self.resident for slot in slots)
+    def serves(self, adapters) -> bool:
+        """Whether one step may read ``adapters`` (AdapterSet slots) from the stacks: each one
+        they take, at most ``max_loras`` of them (after :meth:`sync`). Those not held yet are
+        written in now, into free slots or those least recently read by a step."""
+        wanted = set(adapters)
+        if len(wanted) > self.max_loras or not wanted <= self.servable.keys():
+            return False
+        self._steps += 1
+        taken = {self.resident[a] for a in wanted if a in self.resident}
+        free = sorted(set(range(self.max_loras)) - set(self.resident.values()))
+        spare = sorted((i for i in self.resident.values() if i not in taken), key=self.last_used.__getitem__)
+        holder = {i: a for a, i in self.resident.items()}
+        for adapter in sorted(wanted - self.resident.keys()):
+            index = free.pop(0) if free else spare.pop(0)
+            self.resident.pop(holder.pop(index, None), None)
+            self._write(index, self.servable[adapter])
+            self.resident[adapter] = index
+            self.swaps += 1
+        for adapter in wanted:
+            self.last_used[self.resident[adapter]] = self._steps
+        return True
 
     def sync(self, adapters: AdapterSet) -> bool:
-        """Bring the stacks up to the set's adapters; True when they were reallocated (a new
-        rank: the graphs that read them compile again)."""
+        """Take the set's adapters as they are now (the stacks are refilled as steps need them);
+        True when the stacks were reallocated (a new rank: the graphs that read them compile again)."""
         if adapters.version == self._version:
             return False
-        resident = {slot: a for slot, a in enumerate(adapters.slots) if self.fits(a, slot)}
+        self.servable = {slot: a for slot, a in enumerate(adapters.slots) if self.fits(a)}
         grown = False
-        if resident:
-            grown = self.allocate(max(a.rank for a in resident.values()))
-            grown = self.adapt_parts(set().union(*map(_adapted_parts, resident.values()))) or grown
-            self.scales = [0.0] * self.max_loras
-            for slot in range(self.max_loras):
-                self._write(slot, resident.get(slot))
-        self.resident = set(resident)
+        if self.servable:
+            grown = self.allocate(max(a.rank for a in self.servable.values()))
+            grown = self.adapt_parts(set().union(*map(_adapted_parts, self.servable.values()))) or grown
+        self._clear()
         self._version = adapters.version
         return grown
+
+    def _clear(self) -> None:
+        """No adapter held: each slot is written again by the next step that needs it."""
+        self.scales = [0.0] * self.max_loras
+        self.resident = {}
+        self.last_used = [0] * self.max_loras
 
     def allocate(self, rank: int = MIN_RANK) -> bool:
         """Stacks of at least ``rank`` (rounded up as the module says); True when (re)allocated."""
@@ -115,9 +147,7 @@ class LoraSlots:
                               zeros(m.n_layers, self.max_loras, rank, n_out))
                        for name, (n_in, n_out) in self.shapes.items()}
         self.rank = rank
-        self.scales = [0.0] * self.max_loras
-        self.resident = set()
-        self._version = -1  # rewrite every slot at the next sync
+        self._clear()
         return True
 
     def adapt_parts(self, parts: set[str]) -> bool:
@@ -154,13 +184,15 @@ class LoraSlots:
 
     def row_inputs(self, groups: list[tuple[int, torch.Tensor]], size: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of ``size`` rows' slot and scale (0 and 0.0: no adapter, pad rows; :func:`lora_delta`
-        gives those rows zeros)."""
+        """Each of ``size`` rows' stack slot and scale (0 and 0.0: no adapter, pad rows;
+        :func:`lora_delta` gives those rows zeros). ``groups``: (AdapterSet slot, rows) of
+        adapters :meth:`serves` took for this step."""
         index = torch.zeros(size, dtype=torch.long, device=device)
         scale = torch.zeros(size, dtype=torch.float32, device=device)
-        for slot, rows in groups:
-            index.index_fill_(0, rows, slot)
-            scale.index_fill_(0, rows, self.scales[slot])
+        for adapter, rows in groups:
+            held = self.resident[adapter]
+            index.index_fill_(0, rows, held)
+            scale.index_fill_(0, rows, self.scales[held])
         return index, scale
 
 

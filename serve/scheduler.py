@@ -19,7 +19,11 @@ Row costs come from the row planner (:mod:`.batch`), the same one that builds th
 
 Where the step runs as a compiled graph padded to a row bucket (``row_buckets``), a prompt
 chunk that would spill just past a bucket is cut back to it (:meth:`Scheduler._fill_bucket`):
-its last rows wait a step instead of the whole step paying for a bucket twice the size.
+its last rows wait a step instead of the whole step paying for a bucket twice the size. The
+running sequences hold at most ``max_adapters`` adapters (the graph's LoRA slots, vLLM's
+``max_loras``; :mod:`.lora_slots`), so that every step fits the slots (a step of one more would
+run eager): as in vLLM, a waiting request of one more adapter is admitted once a running
+adapter's requests have all ended, and nobody behind it overtakes it meanwhile.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ FILL_FROM = 32  # the smallest bucket a prompt chunk is cut back to (_fill_bucke
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batched_tokens: int, max_seqs: int,
-                 row_buckets: tuple[int, ...] = (), admission: WorkflowAdmission | None = None):
+                 row_buckets: tuple[int, ...] = (), admission: WorkflowAdmission | None = None,
+                 max_adapters: int | None = None):
         self.blocks = blocks
+        self.max_adapters = max_adapters  # distinct adapters the running sequences may hold (None: any)
         self.admission = admission  # holds new workflows' calls while the pool is full of running ones
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
@@ -171,6 +177,7 @@ class Scheduler:
             plan.append(step)
             budget -= step.num_rows
         held_new = False  # a new workflow's call was held: later new workflows wait behind it
+        adapters = {seq.adapter_slot for seq in self.running}
         for seq in [] if stalled else list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
@@ -179,6 +186,8 @@ class Scheduler:
                 continue  # a new workflow's call: the calls of workflows already admitted go first
             if residual_stalled and seq.forkkv:
                 continue  # its residual pool is short for a running request: the others may go
+            if not self._adapter_fits(seq, adapters):
+                break  # one adapter more than a step holds: it waits for one to be free, first in line
             try:
                 self._allocate(seq)
             except PrefixLoading:
@@ -199,7 +208,14 @@ class Scheduler:
                 break
             plan.append(step)
             budget -= step.num_rows
+            adapters.add(seq.adapter_slot)
         return self._fill_bucket(plan)
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether ``seq`` may run beside sequences of ``adapters`` (-1: the base's)."""
+        if self.max_adapters is None or seq.adapter_slot < 0 or seq.adapter_slot in adapters:
+            return True
+        return len(adapters - {-1}) < self.max_adapters
 
     def _fill_bucket(self, plan: list[StepPlan]) -> list[StepPlan]:
         """``plan`` with its newest prompt chunks cut back so that the step fits the bucket

@@ -322,7 +322,7 @@ def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_p
     """The graph's LoRA math (every row reads its own slot of the stacks) against the
     reference's per-adapter matmuls, for every fused projection of every layer: adapters of
     two ranks (zero-padded in the stacks), a ForkKV-layout adapter (k/v LoRA kept out of K/V),
-    rows without adapter and a slot past ``max_loras`` (not held: it runs eager)."""
+    rows without adapter; a step of more adapters than ``max_loras`` is refused (it runs eager)."""
     from kvshare.kernels.lora import gathered_lora_ref, lora_groups
     from kvshare.random_adapters import random_adapter
     from kvshare.serve.adapters import AdapterSet
@@ -337,7 +337,7 @@ def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_p
         adapter_set.load(path, kv_layout="forkkv" if path == adapters["lora-b"] else None)
     slots = LoraSlots(model, max_loras=3, max_rank=64)
     slots.sync(adapter_set)
-    assert slots.resident == {0, 1, 2} and not slots.serves([3]) and slots.rank == 16
+    assert not slots.serves([0, 1, 2, 3]) and slots.serves([0, 1, 2]) and slots.rank == 16
     row_slots = [-1, 0, 2, 1, 0, -1, 2]
     groups = lora_groups(row_slots)
     index, scale = slots.row_inputs(groups, len(row_slots) + 1, torch.device("cpu"))  # one pad row
@@ -356,8 +356,10 @@ def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_p
 
 
 def test_adapters_load_into_the_slots_without_a_recompile(base, adapters, tokenizer):
-    """With one slot: the adapter in it runs compiled, one in a later slot runs eager, and an
-    adapter loaded into the freed slot reuses the graph; every output equals the eager engine's."""
+    """With one slot, as vLLM's max_loras: each adapter is written into it when a step needs it
+    (both run compiled), of two adapters' requests sent at once the second waits for the first
+    to end (a step of both would run eager), and an adapter loaded after an unload reuses the
+    graph; every output equals the eager engine's."""
     compiled = LLM(base, [adapters["icarus-a"], adapters["lora-a"]], compile="on", max_loras=1, **SETTINGS)
     eager = LLM(base, [adapters["icarus-a"], adapters["lora-a"]], compile="off", **SETTINGS)
     runner = compiled.engine.runner
@@ -366,8 +368,25 @@ def test_adapters_load_into_the_slots_without_a_recompile(base, adapters, tokeni
     for name in ("icarus-a", "lora-a"):
         steps = runner.compiled.steps
         got, want = (_generate(llm, prompt, [name], params)[0].token_ids for llm in (compiled, eager))
-        assert got == want
-        assert (runner.compiled.steps > steps) == (name == "icarus-a")  # slot 0 held, slot 1 not
+        assert got == want and runner.compiled.steps > steps  # swapped into the one slot
+    prompts = prompts_for(tokenizer, 2)
+    names = ["icarus-a", "lora-a"]
+    run = runner.run
+    adapters_per_step = []
+
+    def counting(plans, adapter_set):
+        adapters_per_step.append(({p.seq.adapter_slot for p in plans}, sum(p.num_rows for p in plans)))
+        return run(plans, adapter_set)
+
+    runner.run = counting
+    steps, swaps = runner.compiled.steps, runner.compiled.lora.swaps
+    got = [o.token_ids for o in _generate(compiled, prompts, names, params)]
+    runner.run = run
+    assert got == [o.token_ids for o in _generate(eager, prompts, names, params)]
+    assert all(len(held) == 1 for held, _ in adapters_per_step)  # never both adapters in one step
+    fitting = [rows for _, rows in adapters_per_step if rows <= runner.compiled.buckets[-1]]
+    assert runner.compiled.steps - steps == len(fitting) >= 2 * (params.max_tokens - 1)  # all but prefills compiled
+    assert runner.compiled.lora.swaps > swaps
     for llm in (compiled, eager):
         llm.engine.unload_adapter("icarus-a")
         llm.engine.load_adapter(adapters["icarus-b"])  # into slot 0
