@@ -111,7 +111,7 @@ class WorkflowAdmission:
         need = -(-(len(seq) + seq.params.max_tokens) // self.block_size)
         floor = sum(self.ended) // len(self.ended) if self.ended else 0
         growths = [g for g in (w.growth() for w in admitted) if g is not None] + list(self.ended_growth)
-        rate = sum(growths) / len(growths) if growths else 0.0
+        rate = max(0.0, sum(growths) / len(growths)) if growths else 0.0  # a context may shrink, not the pool
 
         def estimate(footprint: int, calls: int) -> int:
             return max(footprint + math.ceil(rate * calls), floor)
