@@ -16,8 +16,8 @@ As in vLLM, ``max_loras`` bounds the adapters of one step, not the adapters load
 adapters are brought into the stacks when it runs (:meth:`LoraSlots.serves`), each into a free
 slot or the one least recently read by a step, and the scheduler keeps a step's adapters within
 ``max_loras`` (:class:`~.scheduler.Scheduler`). Why: slots fixed by load order left every adapter
-past the 8th on the eager step: 16 ICaRus agents decoding together took 3.2x an 8-pair step's
-time a step, and run 2.9x faster with 8 slots swapped as now
+past the 8th on the eager step: 16 ICaRus agents decoding together ran every step eager, at
+3.2x the base's step, and run 2.9x faster with 8 slots swapped as now
 (results/workflow-e2e/session32-spr/pair_steps.txt, many_agents.txt). Rewriting a slot copies
 one adapter's A and B. Loading, unloading or swapping an adapter rewrites slots in place:
 the graph stays, unless the stacks' rank has to grow (the next power of two of the largest rank,
