@@ -5,7 +5,9 @@
 caps the sum: ``memory`` (tmpfs pages it writes included) and ``pids``. Both cgroup versions are
 handled (v2's unified tree, v1's per-controller trees), wherever the harness itself sits in them.
 Where no cgroup can be made (no write access to the tree: most non-root users), :func:`make`
-returns None and the caller falls back to per-process limits, which it says.
+returns None and :class:`MemoryWatch` polls the resident memory of every process in the jail's
+PID namespace instead (a cap that can be overshot between two polls, 50 ms, by what the
+processes' address-space limits allow).
 """
 
 from __future__ import annotations
@@ -128,3 +130,36 @@ def join_argv(group: Cgroup | None) -> list[str]:
         return []
     script = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
     return ["/bin/sh", "-c", script, "sh", str(len(group.procs)), *group.procs]
+
+
+class MemoryWatch:
+    """The summed resident memory of the processes in the PID namespace that ``unshare`` (``pid``)
+    makes for its child, against ``limit`` bytes: the fallback where no cgroup can be made."""
+
+    def __init__(self, pid: int, limit: int):
+        self.pid, self.limit, self.namespace = pid, limit, None
+        self.own = os.readlink("/proc/self/ns/pid")
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def _find_namespace(self) -> str | None:
+        try:
+            found = os.readlink(f"/proc/{self.pid}/ns/pid_for_children")
+        except OSError:
+            return None
+        return found if found != self.own else None  # not yet unshared
+
+    def resident(self) -> int:
+        """Bytes resident in the jail's processes now (0 before the namespace exists)."""
+        self.namespace = self.namespace or self._find_namespace()
+        total = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")) if self.namespace else ():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == self.namespace:
+                    with open(f"/proc/{pid}/statm") as handle:
+                        total += int(handle.read().split()[1]) * self.page
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def over(self) -> bool:
+        return self.resident() > self.limit

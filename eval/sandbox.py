@@ -290,11 +290,30 @@ def _fresh_uid() -> int:
     return UID_BASE + secrets.randbelow(UID_SPAN)
 
 
-def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int) -> int | None:
-    """``proc``'s exit status, or None past ``timeout``; then the process, its group, and (a
-    fresh ``uid`` >= 0) every process of that uid, which may have left the group, are killed."""
-    try:
+OVER_MEMORY = -1000  # the exit status _wait_then_kill_all gives a program that a MemoryWatch stopped
+
+
+def _wait(proc: subprocess.Popen, timeout: float, watch: cgroups.MemoryWatch | None) -> int | None:
+    if watch is None:
         return proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+        if watch.over():
+            return OVER_MEMORY
+
+
+def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int,
+                        watch: cgroups.MemoryWatch | None = None) -> int | None:
+    """``proc``'s exit status, or None past ``timeout`` (:data:`OVER_MEMORY` when ``watch`` saw
+    too much); then the process, its group, and (a fresh ``uid`` >= 0) every process of that
+    uid, which may have left the group, are killed."""
+    try:
+        return _wait(proc, timeout, watch)
     except subprocess.TimeoutExpired:
         return None
     finally:
@@ -348,8 +367,8 @@ def _package_folders() -> list[str]:
 
 @functools.cache
 def _total_caps_warned() -> None:
-    log.warning("kvshare: no cgroup can be made here: the sandbox's memory and process caps hold per process "
-                "(RLIMIT_AS, RLIMIT_NPROC), not for all of a program's processes together")
+    log.warning("kvshare: no cgroup can be made here: the sandbox polls its programs' memory (50 ms) instead "
+                "of capping it in the kernel")
 
 
 def _spawn(code: str, args: list[str], limits: Limits, jail: bool, env: dict[str, str], folder: Path,
@@ -384,7 +403,8 @@ def _spawn(code: str, args: list[str], limits: Limits, jail: bool, env: dict[str
                 proc.stdin.close()
             except BrokenPipeError:  # the child died before reading it: not a pass
                 pass
-            code_ = _wait_then_kill_all(proc, limits.timeout, uid)
+            watch = cgroups.MemoryWatch(proc.pid, limits.memory_mb * mb) if jail and group is None else None
+            code_ = _wait_then_kill_all(proc, limits.timeout, uid, watch)
         finally:
             if group is not None:
                 group.kill_and_remove()
@@ -407,6 +427,8 @@ def _run(source: str, limits: Limits, jail: bool) -> Outcome:
     marked = out.rstrip(b"\n").endswith(b"\n" + nonce.encode())
     if code is None:
         return Outcome("timeout", detail)
+    if code == OVER_MEMORY:
+        return Outcome("failed", f"{detail}\nover the memory cap of {limits.memory_mb} MB across its processes".lstrip())
     if code < 0 and -code in (signal.SIGXCPU, signal.SIGKILL):
         return Outcome("timeout", detail)
     if code == 0 and not marked:

@@ -488,9 +488,14 @@ def _children_holding(mb: int, count: int) -> str:
 
 
 @needs_jail
-def test_memory_is_capped_across_all_of_a_programs_processes():
-    """Four children of 200 MB each stay under a 512 MB address-space limit one by one, not together."""
-    _cgroups_or_skip()
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "polled"])
+def test_memory_is_capped_across_all_of_a_programs_processes(cgroup, monkeypatch):
+    """Four children of 200 MB each stay under a 512 MB address-space limit one by one, not
+    together: capped by a cgroup, or (where none can be made) by polling their memory."""
+    if cgroup:
+        _cgroups_or_skip()
+    else:
+        monkeypatch.setattr(sandbox.cgroups, "make", lambda *args: None)
     assert run_program(_children_holding(100, 2), Limits(timeout=20, memory_mb=512)).status == "passed"
     assert run_program(_children_holding(200, 4), Limits(timeout=20, memory_mb=512)).status != "passed"
 
@@ -516,3 +521,29 @@ def test_what_a_program_writes_is_capped_in_total():
     assert run_program(source, Limits(timeout=10, disk_mb=64)).status == "passed"
     outcome = run_program(source, Limits(timeout=10, disk_mb=24))
     assert outcome.status == "failed" and "No space left" in outcome.detail, outcome.detail
+
+
+def test_a_torn_last_evalplus_line_is_judged_again_as_in_samples_jsonl(tmp_path, monkeypatch):
+    """A run killed while appending a verdict resumes (that sample judged again, appended on a
+    line of its own) instead of failing on the half-written line."""
+    import hashlib
+    import json
+
+    from kvshare.eval import code
+
+    samples = [{"id": f"HumanEval/{i}#0", "task_id": f"HumanEval/{i}", "solution": f"x = {i}"} for i in range(2)]
+    verdicts = [{"id": s["id"], "task_id": s["task_id"], "base_status": "pass", "plus_status": "pass",
+                 "digest": hashlib.sha256(s["solution"].encode()).hexdigest()} for s in samples]
+    log = tmp_path / "evalplus.jsonl"
+    log.write_text(json.dumps(verdicts[0]) + "\n" + json.dumps(verdicts[1])[:25])
+    judged = []
+
+    def fake_check(todo, path, timeout):  # the jails are tested above; here only what is asked
+        judged.extend(t["id"] for t in todo)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(v) + "\n" for v in verdicts if v["id"] in judged)
+
+    monkeypatch.setattr(code, "_check_jailed", fake_check)
+    done = run_evalplus(samples, tmp_path)
+    assert judged == [samples[1]["id"]] and set(done) == {s["id"] for s in samples}
+    assert [json.loads(line) for line in log.read_text().splitlines()] == verdicts
