@@ -356,18 +356,15 @@ def test_only_well_formed_verdict_files_are_read(raw, statuses):
 
 
 @needs_jail
-def test_programs_cannot_read_users_homes(monkeypatch):
-    """A file others may read, in the harness's home: the jail covers homes with an empty tmpfs."""
-    home = Path(__file__).resolve().parent / f".home-{secrets.token_hex(4)}"
-    home.mkdir(mode=0o755)
-    try:
-        (home / "token").write_text("s3cr3t")
-        (home / "token").chmod(0o644)
-        monkeypatch.setenv("HOME", str(home))
-        outcome = run_program(f"import os\nassert not os.path.exists({str(home / 'token')!r})\n", Limits(timeout=10))
-        assert outcome.status == "passed", outcome.detail
-    finally:
-        shutil.rmtree(home)
+def test_programs_cannot_read_users_homes():
+    """Of the harness's home, the program sees at most the folders on the way to the interpreter."""
+    home = Path.home().resolve()
+    ours = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *sandbox._package_folders())]
+    hidden = [str(home / name) for name in sorted(os.listdir(home))
+              if not any(path == home / name or home / name in path.parents for path in ours)][:50]
+    outcome = run_program(f"import os\nfor path in {hidden!r}:\n    assert not os.path.exists(path), path\n",
+                          Limits(timeout=10))
+    assert outcome.status == "passed", outcome.detail
 
 
 @needs_jail
@@ -411,21 +408,19 @@ def test_several_greedy_samples_are_refused(tiny_models, tmp_path):
 
 @needs_jail
 def test_the_program_sees_nothing_it_does_not_need(monkeypatch):
-    """The jail's root is an allow-list: the test files, a model cache named by HF_HOME outside
-    the homes, the machine's configuration and /sys (its cgroups) do not exist for the program."""
-    cache = Path(__file__).resolve().parent / f".hf-home-{secrets.token_hex(4)}"
-    cache.mkdir(mode=0o755)
-    try:
-        (cache / "token").write_text("hf_s3cr3t")
-        (cache / "token").chmod(0o644)
-        monkeypatch.setenv("HF_HOME", str(cache))
-        hidden = [str(cache / "token"), os.path.abspath(__file__), "/etc/passwd", "/etc/hostname", "/sys/fs/cgroup",
-                  str(Path.home() / ".cache")]
-        outcome = run_program(f"import os\nfor path in {hidden!r}:\n    assert not os.path.exists(path), path\n",
-                              Limits(timeout=10))
-        assert outcome.status == "passed", outcome.detail
-    finally:
-        shutil.rmtree(cache)
+    """The jail's root is an allow-list: the tests, the data folder, a model cache that HF_HOME
+    names outside the homes, the machine's configuration and /sys (its cgroups) do not exist for
+    the program (nothing is written to show it: these exist already)."""
+    from kvshare.paths import data_dir
+
+    tests = Path(__file__).resolve().parent
+    monkeypatch.setenv("HF_HOME", str(tests))
+    hidden = [str(tests), os.path.abspath(__file__), "/etc/passwd", "/etc/hostname", "/sys/fs/cgroup",
+              *([str(data_dir().resolve())] if data_dir() else [])]
+    assert all(os.path.exists(path) for path in hidden[:3])
+    outcome = run_program(f"import os\nfor path in {hidden!r}:\n    assert not os.path.exists(path), path\n",
+                          Limits(timeout=10))
+    assert outcome.status == "passed", outcome.detail
 
 
 def _site_packages(python: Path) -> Path:
