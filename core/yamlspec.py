@@ -4,14 +4,38 @@ every problem into one clear KvshareError naming the file and the key."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from types import NoneType, UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from .errors import KvshareError
 
 Spec = TypeVar("Spec", bound=BaseModel)
+
+
+class StrictSpec(BaseModel):
+    """Base of every YAML spec: unknown keys, booleans given as numbers and infinite or NaN
+    numbers are refused, as pydantic's lax mode would turn ``rank: yes`` into rank 1 and let
+    ``epochs: .inf`` through to crash the trainer."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, not the boolean {str(value).lower()} "
+                             "(YAML reads yes/no/on/off/true/false as booleans)")
+        return value
+
+
+def _is_number(annotation: Any) -> bool:
+    """Whether a field holds an int or float (optionally None), and not also a bool."""
+    kinds = set(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else {annotation}
+    kinds -= {NoneType}
+    return bool(kinds) and kinds <= {int, float}
 
 
 def load_spec(path: str | Path, model: type[Spec], what: str, overrides: list[str] | None = None) -> Spec:

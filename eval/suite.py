@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from .. import manifest
 from ..errors import KvshareError
@@ -38,7 +38,7 @@ from ..fsutil import write_text_atomic
 from ..kinds import kind_spec, parse_kind
 from ..models import resolve_model_dir
 from ..serve.adapters import adapter_digest
-from ..yamlspec import load_spec
+from ..yamlspec import StrictSpec, load_spec
 from .code import code_task
 from .gsm8k import gsm8k_task
 from .harness import (EvalTask, as_logged_base, ci_cell, engine_settings, load_llm, run_samples, run_settings,
@@ -53,23 +53,19 @@ COLUMNS = [("gsm8k", ("flexible-extract",), "GSM8K"), ("gsm8k", ("strict-match",
 HEADLINE = ["GSM8K", "HumanEval", "HumanEval+", "HotpotQA F1"]  # averaged in the orchestration table
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Limits(_Strict):
+class Limits(StrictSpec):
     gsm8k: int | None = Field(250, ge=1)  # test problems (first N); None = all 1,319
     humanevalplus: int | None = Field(None, ge=1)  # None = all 164
     hotpotqa: int | None = Field(100, ge=1)  # dev_hard_500 questions (first N)
 
 
-class MaxTokens(_Strict):
+class MaxTokens(StrictSpec):
     gsm8k: int = Field(256, ge=1)
     humanevalplus: int = Field(512, ge=1)
     hotpotqa: int = Field(32, ge=1)
 
 
-class SystemSpec(_Strict):
+class SystemSpec(StrictSpec):
     """A system's specialists (adapter folders); one not trained yet may be left out."""
     math: str | None = None
     code: str | None = None
@@ -79,7 +75,7 @@ class SystemSpec(_Strict):
 TaskName = Literal["gsm8k", "humanevalplus", "f1-hotpotqa"]
 
 
-class SuiteSpec(_Strict):
+class SuiteSpec(StrictSpec):
     model: str = "smollm2-135m-instruct"
     # one for every task, or per task (bfloat16 is fast only on CPUs with bf16 instructions,
     # so parts of a suite run on different machines may differ; each run records its own)

@@ -74,6 +74,38 @@ def test_bad_recipes(tmp_path, text, overrides, message):
         load_recipe(write(tmp_path, text), overrides)
 
 
+@pytest.mark.parametrize("text,overrides,key", [
+    (BASE, ["adapter.rank=yes"], "adapter.rank"),
+    (BASE, ["adapter.rank=true"], "adapter.rank"),
+    (BASE.replace("rank: 8", "rank: on"), [], "adapter.rank"),
+    (BASE, ["adapter.alpha=true"], "adapter.alpha"),
+    (BASE, ["train.max_steps=null", "train.epochs=.inf"], "train.epochs"),
+    (BASE, ["train.max_steps=null", "train.epochs=inf"], "train.epochs"),
+    (BASE, ["train.max_steps=null", "train.epochs=.nan"], "train.epochs"),
+    (BASE, ["train.lr=.inf"], "train.lr"),
+    (BASE, ["train.max_steps=2.5"], "train.max_steps"),
+    (BASE, ["train.batch_size=0"], "train.batch_size"),
+    (BASE.replace("{name: gsm8k}", "{name: gsm8k, limit: yes}"), [], "data.sources.0.limit"),
+])
+def test_a_boolean_or_infinity_is_not_a_number(tmp_path, text, overrides, key):
+    """YAML's yes/true would otherwise train rank 1, and .inf epochs crash the trainer."""
+    with pytest.raises(KvshareError, match=rf"recipe.yaml: {key}: "):
+        load_recipe(write(tmp_path, text), overrides)
+
+
+def test_whole_numbers_and_yaml_no_still_read(tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE), ["adapter.rank=4.0", "train.mixed_precision=no",
+                                                   "train.gradient_checkpointing=yes"])
+    assert recipe.adapter.rank == 4 and type(recipe.adapter.rank) is int
+    assert recipe.train.mixed_precision == "no" and recipe.train.gradient_checkpointing is True
+
+
+def test_a_boolean_rank_is_one_error_line_via_cli(cli, tmp_path):
+    from conftest import assert_one_line_error
+
+    assert_one_line_error(cli("train", write(tmp_path, BASE), "adapter.rank=yes"), "adapter.rank: expected a number")
+
+
 def test_missing_recipe_file_via_cli(cli, tmp_path):
     from conftest import assert_one_line_error
 

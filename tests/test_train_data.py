@@ -185,3 +185,42 @@ def test_a_damaged_evaluation_file_is_one_clear_error(tmp_path, relative, line):
     if relative.startswith("hotpotqa"):
         with pytest.raises(KvshareError, match="is damaged"):
             hotpotqa_eval_ids.__wrapped__(str(tmp_path))
+
+
+def _write_lines(tmp_path, *lines: str):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("lines,fragment", [
+    (['{"q": "a", "a": "b"}', "", "", '{"q": "c", "a": oops}'], r"mine.jsonl: line 4: malformed JSON"),
+    (['{"q": "a", "a": "b"}', "", '{"q": "c"}'], r"mine.jsonl: line 3 lacks field"),
+    (["", '{"q": "a", "a": "b"}', "[1, 2]"], r"mine.jsonl: line 3 lacks field"),
+])
+def test_a_bad_jsonl_record_names_its_line_counting_blank_lines(tmp_path, lines, fragment):
+    with pytest.raises(KvshareError, match=fragment):
+        load_file(_write_lines(tmp_path, *lines), "q", "a")
+
+
+def test_a_named_loader_names_the_line_of_a_damaged_record(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "q", "answer": "a"}\n\n{"question": \n')
+    monkeypatch.setenv("KVSHARE_DATA", str(tmp_path))
+    with pytest.raises(KvshareError, match=r"train.jsonl: line 3: malformed JSON"):
+        load_named("gsm8k")
+
+
+@pytest.mark.parametrize("record,kind", [('{"q": null, "a": "b"}', "'q' is null"),
+                                         ('{"q": "a", "a": null}', "'a' is null"),
+                                         ('{"q": "a", "a": ["b"]}', "'a' is a list"),
+                                         ('{"q": true, "a": "b"}', "'q' is a boolean")])
+def test_a_null_prompt_or_response_is_refused_not_trained_as_none(tmp_path, record, kind):
+    path = _write_lines(tmp_path, '{"q": "fine", "a": "fine"}', "", record)
+    with pytest.raises(KvshareError, match=rf"mine.jsonl: line 3: field {kind}, not text"):
+        load_file(path, "q", "a")
+
+
+def test_a_number_response_reads_as_its_digits(tmp_path):
+    examples = load_file(_write_lines(tmp_path, '{"q": "six times seven?", "a": 42}'), "q", "a")
+    assert [(e.prompt, e.response) for e in examples] == [("six times seven?", "42")]

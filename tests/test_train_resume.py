@@ -196,3 +196,63 @@ def test_stale_staging_folder_is_not_a_checkpoint(tmp_path, tiny_models, toy_dat
     assert not stale.exists()
     got = weights(run)
     assert all(torch.equal(got[k], reference[k]) for k in got)
+
+
+def _save_small(folder: Path, tmp_path: Path) -> Path:
+    """A real checkpoint of a 2x2 linear layer: fast, and verified like a trained one."""
+    from kvshare.train import checkpoint as ckpt
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    rng.save_rng(tmp_path / "rank-0.safetensors")
+    return ckpt.save_checkpoint(folder, model=model, optimizer=optimizer, scheduler=scheduler,
+                                trainer_state={"step": 1}, rng_files={0: tmp_path / "rank-0.safetensors"},
+                                recipe={"name": "r"})
+
+
+def _rewrite_manifest(folder: Path, change) -> None:
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    (folder / "checkpoint.json").write_text(json.dumps(change(manifest)))
+
+
+DAMAGE = {
+    "truncated weights": lambda f: truncate(f / "lora.safetensors"),
+    "missing file": lambda f: (f / "optimizer.json").unlink(),
+    "files not a mapping": lambda f: _rewrite_manifest(f, lambda m: {**m, "files": 5}),
+    "entry without a size": lambda f: _rewrite_manifest(
+        f, lambda m: {**m, "files": {**m["files"], "lora.safetensors": "7"}}),
+    "manifest a list": lambda f: (f / "checkpoint.json").write_text("[1]"),
+    "weights unlisted": lambda f: _rewrite_manifest(
+        f, lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != "lora.safetensors"}}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_is_skipped_for_an_intact_one(tmp_path, damage):
+    from kvshare.train import checkpoint as ckpt
+
+    older = _save_small(tmp_path / "checkpoints" / "step-2", tmp_path)
+    newest = _save_small(tmp_path / "checkpoints" / "step-4", tmp_path)
+    DAMAGE[damage](newest)
+    folder, skipped = ckpt.pick_checkpoint(tmp_path)
+    assert folder == older and [f for f, _ in skipped] == [newest]
+    DAMAGE[damage](older)
+    with pytest.raises(KvshareError, match="no intact checkpoint .*step-4: .*step-2: "):
+        ckpt.pick_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("fails_in", ["save_optimizer", "replace_dir"])
+def test_a_failed_save_leaves_no_temporary_folder(tmp_path, monkeypatch, fails_in):
+    from kvshare.train import checkpoint as ckpt
+
+    _save_small(tmp_path / "checkpoints" / "step-2", tmp_path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, fails_in, disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        _save_small(tmp_path / "checkpoints" / "step-4", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
+    assert ckpt.verify(tmp_path / "checkpoints" / "step-2") is None

@@ -65,10 +65,27 @@ def read_optimizer(folder: Path) -> dict:
 
 def save_checkpoint(folder: Path, *, model, optimizer, scheduler, trainer_state: dict,
                     rng_files: dict[int, Path], recipe: dict) -> Path:
-    """Write a complete checkpoint at ``folder`` (atomically). Main process only."""
+    """Write a complete checkpoint at ``folder`` (atomically). Main process only.
+
+    A save that fails (a full disk, Ctrl-C) removes its staging folder, so it leaves nothing
+    but the checkpoints written before it.
+    """
     staging = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        _write_checkpoint(staging, model=model, optimizer=optimizer, scheduler=scheduler,
+                          trainer_state=trainer_state, rng_files=rng_files, recipe=recipe)
+        replace_dir(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write_checkpoint(staging: Path, *, model, optimizer, scheduler, trainer_state: dict,
+                      rng_files: dict[int, Path], recipe: dict) -> None:
+    """Every file of a checkpoint into ``staging``, the manifest last, all synced to disk."""
     save_file(lora_state(model), str(staging / "lora.safetensors"))
     save_optimizer(optimizer, staging)
     (staging / "scheduler.json").write_text(json.dumps(scheduler.state_dict(), default=_jsonable))
@@ -82,8 +99,6 @@ def save_checkpoint(folder: Path, *, model, optimizer, scheduler, trainer_state:
     (staging / MANIFEST).write_text(json.dumps(
         {"format": FORMAT, "processes": len(rng_files), "files": files}, indent=1))
     fsync_files(staging)
-    replace_dir(staging, folder)
-    return folder
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -100,13 +115,19 @@ def verify(folder: Path) -> str | None:
     """Why ``folder`` is not a complete, intact checkpoint, or None when it is."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        files = manifest["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (cut short while being written, or from an older kvshare)"
-    except (*_READ_ERRORS, AttributeError) as err:
+    except _READ_ERRORS as err:
         return f"unreadable {MANIFEST} ({err})"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')!r}, this kvshare reads {FORMAT}"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        return f"format {found!r}, this kvshare reads {FORMAT}"
+    files = _listed_files(manifest)
+    if files is None:
+        return f"damaged {MANIFEST} (not the process count and each file's size and checksum)"
+    unlisted = [name for name in _needed_files(manifest["processes"]) if name not in files]
+    if unlisted:
+        return f"{MANIFEST} does not list {unlisted[0]}"
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
@@ -116,6 +137,25 @@ def verify(folder: Path) -> str | None:
         if _sha256(path) != expected["sha256"]:
             return f"{name} is damaged (checksum differs)"
     return None
+
+
+def _listed_files(manifest: dict) -> dict[str, dict] | None:
+    """The manifest's ``{name: {bytes, sha256}}``, or None when it is not of that shape (so a
+    damaged manifest skips its checkpoint rather than failing the resume)."""
+    files, processes = manifest.get("files"), manifest.get("processes")
+    if not isinstance(files, dict) or not files or type(processes) is not int or processes < 1:
+        return None
+    if not all(isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("sha256"), str)
+               for e in files.values()):
+        return None
+    return files
+
+
+def _needed_files(processes: int) -> list[str]:
+    """The files :func:`load_checkpoint` reads, each of which the manifest must vouch for."""
+    rng = [f"rng-{rank}{ext}" for rank in range(processes) for ext in (".safetensors", ".json")]
+    return ["lora.safetensors", "optimizer.safetensors", "optimizer.json", "scheduler.json",
+            "trainer_state.json", "recipe.json", *rng]
 
 
 def pick_checkpoint(run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:

@@ -24,6 +24,7 @@ from ..splits import (EVAL_FILES, MBPP_SPLITS, SQUAD_TRAIN_TITLES, eval_guard, e
                       is_eval_record)
 
 _ID_KEYS = ("id", "_id", "task_id", "qid", "question_id")
+_JSON_KINDS = {type(None): "null", bool: "a boolean", dict: "an object", list: "a list"}
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,28 @@ class Example:
     response: str
 
 
-def _jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+def _jsonl(path: Path) -> list:
+    return [row for _, row in _numbered_jsonl(path)]
+
+
+def _numbered_jsonl(path: Path) -> list[tuple[int, object]]:
+    """Each record with its line number, blank lines counted, so that an error names the line
+    an editor shows."""
+    rows = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise KvshareError(f"{path}: line {number} is not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise KvshareError(f"{path}: line {number}: malformed JSON ({err.msg}, "
+                                   f"column {err.colno})") from None
+    return rows
 
 
 def _json(path: Path):
@@ -159,10 +179,16 @@ def load_file(path: str | Path, prompt_field: str, response_field: str,
             raise KvshareError(f"{path} is evaluation data ({eval_file}); it may not be trained on")
     if not path.is_file():
         raise KvshareError(f"{path}: no such data file")
-    try:
-        rows = _jsonl(path) if path.suffix == ".jsonl" else _json(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise KvshareError(f"{path}: malformed JSON ({err})") from None
+    if path.suffix == ".jsonl":
+        rows = [(f"{path}: line {n}", row) for n, row in _numbered_jsonl(path)]
+    else:
+        try:
+            records = _json(path)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise KvshareError(f"{path}: malformed JSON ({err})") from None
+        if not isinstance(records, list):
+            raise KvshareError(f"{path}: a JSON data file is a list of records")
+        rows = _numbered(str(path), records)
     return _field_examples(path.stem, rows, prompt_field, response_field, limit)
 
 
@@ -172,21 +198,40 @@ def load_hub(dataset: str, split: str, prompt_field: str, response_field: str,
     if held_out:
         raise KvshareError(f"{dataset} split {split!r} reads {' and '.join(held_out)}, which is "
                            "evaluation data; it may not be trained on")
-    return _field_examples(dataset, _hub_rows(dataset, config, split), prompt_field,
-                           response_field, limit)
+    return _field_examples(dataset, _numbered(dataset, _hub_rows(dataset, config, split)),
+                           prompt_field, response_field, limit)
 
 
-def _field_examples(source: str, rows, prompt_field: str, response_field: str,
-                    limit: int | None) -> list[Example]:
+def _numbered(origin: str, rows: Iterable) -> Iterable[tuple[str, object]]:
+    """Records labelled ``origin: record i`` for error messages (JSONL files give lines instead)."""
+    return ((f"{origin}: record {i}", row) for i, row in enumerate(rows))
+
+
+def _field_examples(source: str, rows: Iterable[tuple[str, object]], prompt_field: str,
+                    response_field: str, limit: int | None) -> list[Example]:
+    """``rows`` holds (where, record) pairs; ``where`` names the record in an error."""
     def examples():
-        for i, row in enumerate(rows):
+        for i, (where, row) in enumerate(rows):
             if not isinstance(row, dict) or prompt_field not in row or response_field not in row:
-                raise KvshareError(f"{source}: record {i} lacks field {prompt_field!r} or {response_field!r}")
+                raise KvshareError(f"{where} lacks field {prompt_field!r} or {response_field!r}")
             ids = tuple(str(row[k]) for k in _ID_KEYS if isinstance(row.get(k), (str, int)))
             texts = tuple(v for v in row.values() if isinstance(v, str))
-            yield Example(f"{source}/{i}", str(row[prompt_field]), str(row[response_field])), ids, texts
+            prompt, response = (_text(row, key, where) for key in (prompt_field, response_field))
+            yield Example(f"{source}/{i}", prompt, response), ids, texts
 
     return _guarded(source, examples(), limit)
+
+
+def _text(row: dict, key: str, where: str) -> str:
+    """A record's field as text: a number reads as its digits, but null, a boolean, a list or an
+    object is refused rather than trained on as ``None`` or a Python repr."""
+    value = row[key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    kind = _JSON_KINDS.get(type(value), type(value).__name__)
+    raise KvshareError(f"{where}: field {key!r} is {kind}, not text")
 
 
 def _guarded(source: str, records: Iterable[tuple[Example, tuple, tuple]],

@@ -10,19 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ..yamlspec import load_spec
+from ..yamlspec import StrictSpec, load_spec
 from ..kinds import AdapterKind, kind_spec
 from .evaluation import EVAL_TASKS
 
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class AdapterSpec(_Strict):
+class AdapterSpec(StrictSpec):
     kind: AdapterKind
     rank: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
@@ -48,7 +43,7 @@ class AdapterSpec(_Strict):
         return self
 
 
-class DataSource(_Strict):
+class DataSource(StrictSpec):
     """One of: a named loader (``name``), a local file (``path``) or a Hub dataset (``hub``)."""
 
     name: str | None = None
@@ -82,14 +77,14 @@ class DataSource(_Strict):
         return self.name or self.path or f"{self.hub}:{self.split}"
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictSpec):
     sources: list[DataSource] = Field(min_length=1)
     max_length: int = Field(512, ge=8)
     system_prompt: str | None = None
     shuffle_seed: int | None = Field(None, ge=0, lt=2 ** 32)  # the data order's seed (as HF's data_seed); None: train.seed
 
 
-class TrainSpec(_Strict):
+class TrainSpec(StrictSpec):
     batch_size: int = Field(4, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(2e-4, gt=0)
@@ -137,7 +132,7 @@ class TrainSpec(_Strict):
         return self
 
 
-class Recipe(_Strict):
+class Recipe(StrictSpec):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     base_model: str
     adapter: AdapterSpec
