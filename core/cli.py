@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["eval", "compare"]:
+        from .eval.cli import run_compare  # its own parser; reading logs needs no engine (torch) loaded
+
+        return exit_code(lambda: run_compare(argv[2:]))
     parser = build_parser()
     if argv[:1] == ["lm-eval"]:
         from .eval.cli import run_lm_eval  # before argparse, which would eat lm-eval's options

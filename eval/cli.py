@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from ..errors import KvshareError
-from ..serve.config import DEFAULT_COMPILE_MAX_ROWS, EngineConfig
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...]):
@@ -34,6 +33,8 @@ def _above_zero(args: argparse.Namespace, *names: str) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.task == "compare":  # (main routes 'eval compare ...' to its own parser)
+        raise KvshareError("write the runs right after 'compare': kvshare eval compare RUN RUN ... [options]")
     _at_least(args, 1, "limit", "batch", "max_tokens", "samples")  # 0 would read "all" or nothing
     _at_least(args, 0, "shots")
     from .harness import require_adapter_dir
@@ -77,6 +78,89 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         evaluate(task, args.model, args.adapter, args.out, batch=args.batch, dtype=args.dtype,
                  overwrite=args.overwrite)
     print((Path(args.out) / "results.md").read_text(), end="")
+    return 0
+
+
+def compare_parser() -> argparse.ArgumentParser:
+    """``kvshare eval compare``'s own parser (``main`` routes to it before building the rest)."""
+    from .compare import MIN_CLUSTERS
+
+    p = argparse.ArgumentParser(
+        prog="kvshare eval compare",
+        description="Compare finished evaluation runs of the same items, item by item: each system's paired "
+        "difference to a reference (mean over items of per-item differences, a system's runs averaged per item) "
+        "with a bootstrap 95% interval that resamples the items' clusters (a SQuAD paragraph's questions "
+        "together; found in the records, else each item alone) and, for a system given several runs (seeds), "
+        "the runs too; an equivalence verdict (TOST at alpha 0.05: equivalent iff the 90% interval lies "
+        f"inside +-MARGIN; no verdict under {MIN_CLUSTERS} clusters); McNemar's exact test for pass/fail "
+        "scores; with --base, the share of the "
+        "reference's gain over the base each system keeps. Prints Markdown; --out also writes compare.md, "
+        "compare.json (with the command, commit, machine and versions) and compare.png.",
+        epilog="example: kvshare eval compare lora=runs/lora-s0,runs/lora-s1,runs/lora-s2 "
+        "icarus=runs/icarus-s0,runs/icarus-s1,runs/icarus-s2 base=runs/base --base base --margin 3 --out cmp")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="[NAME=]DIR[,DIR...]: a 'kvshare eval --out' folder (or its samples.jsonl); NAME= names "
+                   "the system (default: the folder's name); several folders of one NAME (comma-separated, or "
+                   "NAME= given again) are that system's runs with different seeds")
+    p.add_argument("--reference", metavar="NAME", help="the system the others are compared to (default: the first)")
+    p.add_argument("--base", metavar="NAME", help="the system without adapter: report the share of the "
+                   "reference's gain over it that each system keeps")
+    p.add_argument("--margin", type=float, default=3.0, metavar="POINTS",
+                   help="equivalence margin in points: per-item scores in 0-1 are counted x100, so 3 means "
+                   "0.03 of F1 or of accuracy (default 3)")
+    p.add_argument("--metric", help="the per-item score: f1, em, flexible-extract, strict-match, passed, "
+                   "humaneval+ (from evalplus.jsonl) or any numeric field of the records (a.b for nested) "
+                   "(default: the task's main one: f1, flexible-extract, passed, humaneval+ for humanevalplus)")
+    p.add_argument("--cluster", default="auto", metavar="FIELD",
+                   help="the record field whose items are resampled together; 'none': every item alone; "
+                   "'auto' (default): a cluster/context/paragraph/title/task_id field, else a QA prompt's "
+                   "context (SQuAD: the paragraph), else every item alone")
+    p.add_argument("--bootstrap", type=int, default=10000, metavar="N", help="bootstrap replicates (default 10000)")
+    p.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed (default 0)")
+    p.add_argument("--out", metavar="DIR", help="write compare.md, compare.json and compare.png here")
+    return p
+
+
+def _named(argument: str) -> tuple[str | None, list[str]]:
+    """``NAME=DIR[,DIR...]`` -> (NAME, folders); an existing path or no name -> (None, [path])."""
+    name, sep, folders = argument.partition("=")
+    if sep and name and "/" not in name and not Path(argument).exists():
+        return name, [f for f in folders.split(",") if f]
+    return None, [argument]
+
+
+def group_runs(arguments: list[str]) -> dict[str, list[str]]:
+    """Systems (in order of first mention) and their runs' folders."""
+    systems: dict[str, list[str]] = {}
+    for argument in arguments:
+        name, folders = _named(argument)
+        if not folders:
+            raise KvshareError(f"{argument}: no folder after '='")
+        if name is None:
+            path = Path(folders[0])
+            name = (path.parent if path.name == "samples.jsonl" else path).resolve().name
+            if name in systems:
+                raise KvshareError(f"two runs are named {name!r} (their folder's name): name them NAME=DIR")
+        systems.setdefault(name, []).extend(folders)
+    return systems
+
+
+def run_compare(argv: list[str]) -> int:
+    """``kvshare eval compare RUN RUN ...``: paired statistics over finished runs."""
+    from . import compare
+
+    args = compare_parser().parse_args(argv)
+    _at_least(args, 100, "bootstrap")
+    folders = group_runs(args.runs)
+    if len(folders) < 2:
+        raise KvshareError(f"compare needs at least two systems, not {len(folders)} "
+                           "(several runs of one system are its seeds)")
+    systems = {name: [compare.load_run(f, args.metric, args.cluster) for f in runs] for name, runs in folders.items()}
+    result = compare.compare_systems(systems, args.reference, args.base, args.margin, args.bootstrap, args.seed)
+    result["provenance"] = compare.provenance(argv)
+    if args.out:
+        compare.write_report(result, Path(args.out))
+    print(compare.markdown(result), end="")
     return 0
 
 
@@ -153,6 +237,8 @@ def _cmd_bench_workflow(args: argparse.Namespace) -> int:
         raise KvshareError("--affinity needs --ray N")
     from .perf.workflow import PEER_MODES, markdown, run_workflow_bench
 
+    from ..serve.config import EngineConfig
+
     # a bad value is an error now, before any work
     EngineConfig(compile_max_rows=args.compile_max_rows, max_num_batched_tokens=args.max_num_batched_tokens)
 
@@ -177,6 +263,8 @@ def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
         raise KvshareError("--ray needs at least 1 replica")
     if args.peer:
         raise KvshareError("--ray and --peer cannot be combined")
+    from ..serve.config import DEFAULT_COMPILE_MAX_ROWS
+
     if args.pattern != "react":
         raise KvshareError("--ray runs the react pattern only")
     ignored = [flag for flag, value, default in (
@@ -301,6 +389,8 @@ def _peer_arguments(p: argparse.ArgumentParser, what: str, llamacpp: bool = Fals
 
 def register(sub) -> None:
     """Add ``kvshare bench``, ``kvshare eval`` and ``kvshare lm-eval``."""
+    from ..serve.config import DEFAULT_COMPILE_MAX_ROWS  # (here: the serving package loads torch)
+
     bench = sub.add_parser("bench", help="benchmarks that print figures and ratios",
                            description="Benchmarks measured side by side in one run.")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
@@ -494,11 +584,14 @@ def register(sub) -> None:
                        description="Evaluate through the serving engine: gsm8k (lm-eval's strict-match "
                        "and flexible-extract), f1 (SQuAD-style F1/EM on HotpotQA or held-out SQuAD), "
                        "humaneval / humanevalplus / mbpp (programs executed out of process; pass@k), "
-                       "or a whole suite (per-kind quality and the orchestrated multi-adapter system). "
+                       "or a whole suite (per-kind quality and the orchestrated multi-adapter system); "
+                       "'kvshare eval compare RUN RUN ...' compares finished runs item by item "
+                       "(see kvshare eval compare --help). "
                        "Resumable: finished samples in OUT/samples.jsonl are kept when they were made "
                        "with the same settings; other settings are refused unless --overwrite.")
-    p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp", "suite"],
-                   help="a benchmark, or 'suite': the quality and orchestration tables from --spec")
+    p.add_argument("task", choices=["gsm8k", "f1", "humaneval", "humanevalplus", "mbpp", "suite", "compare"],
+                   help="a benchmark, 'suite': the quality and orchestration tables from --spec, or 'compare': "
+                   "paired statistics over finished runs (its own options: kvshare eval compare --help)")
     p.add_argument("--spec", metavar="SUITE.yaml", help="suite: systems of adapters and limits "
                    "(see results/quality/suite.yaml)")
     p.add_argument("--model", default="smollm2-135m-instruct")

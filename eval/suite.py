@@ -9,7 +9,9 @@ to its invocation, conventional LoRA nothing. Routing sends each benchmark to it
 
 Outputs (in ``--out``): ``samples/<system>/<adapter>/<task>/`` (resumable logs and scores of
 each run), ``quality.json`` + ``quality.md`` (the specialists on their own tasks, with 95%
-intervals, and whether ICaRus lies within LoRA's interval), ``orchestration.json`` +
+intervals, and ICaRus and aLoRA each paired with LoRA item by item: the difference with its
+bootstrap interval and an equivalence verdict at the spec's margin, :mod:`kvshare.eval.compare`),
+``orchestration.json`` +
 ``orchestration.md`` (base, single adapters on every task, routed systems, KV-sharing
 column, average). A rerun reuses every finished sample, so an interrupted suite continues and
 a finished one just rebuilds its tables.
@@ -39,6 +41,7 @@ from ..kinds import kind_spec, parse_kind
 from ..models import resolve_model_dir
 from ..serve.adapters import adapter_digest
 from ..yamlspec import StrictSpec, load_spec
+from . import compare
 from .code import code_task
 from .gsm8k import gsm8k_task
 from .harness import (EvalTask, as_logged_base, ci_cell, engine_settings, load_llm, run_samples, run_settings,
@@ -51,6 +54,8 @@ COLUMNS = [("gsm8k", ("flexible-extract",), "GSM8K"), ("gsm8k", ("strict-match",
            ("humanevalplus", ("humaneval", "pass@1"), "HumanEval"), ("humanevalplus", ("humaneval+", "pass@1"), "HumanEval+"),
            ("f1-hotpotqa", ("f1",), "HotpotQA F1")]
 HEADLINE = ["GSM8K", "HumanEval", "HumanEval+", "HotpotQA F1"]  # averaged in the orchestration table
+PER_ITEM = {"GSM8K": "flexible-extract", "GSM8K strict": "strict-match", "HumanEval": "passed",
+            "HumanEval+": "humaneval+", "HotpotQA F1": "f1"}  # column -> per-item score in samples.jsonl
 
 
 class Limits(StrictSpec):
@@ -87,6 +92,9 @@ class SuiteSpec(StrictSpec):
     systems: dict[str, SystemSpec]  # e.g. icarus / alora / lora, each with its three specialists
     cross: list[str] = []  # systems whose adapters also run on the other domains' tasks
     base: bool = True  # also score the base model on every task
+    # ICaRus/aLoRA vs LoRA: "equivalent" iff the paired difference's 90% interval lies inside
+    # +-margin, in points (per-item scores in 0-1 counted x100: 3 = 0.03 of F1 or accuracy)
+    equivalence_margin: float = Field(3.0, gt=0)
     tasks: list[TaskName] = list(DOMAINS.values())  # run only these
 
     @model_validator(mode="after")
@@ -192,7 +200,8 @@ def run_suite(spec_path: str | Path, out: str | Path, overwrite: bool = False) -
     out = Path(out)
     tasks = build_tasks(spec)
     # (row label, task) -> results; runs below replace these
-    scores, not_merged = finished_runs(spec, out, dict(tasks))
+    known_tasks = dict(tasks)  # and those of earlier runs: their items select per-item scores
+    scores, not_merged = finished_runs(spec, out, known_tasks)
     earlier = set(scores)
     kinds = {system: results["kind"] for (row, _), results in scores.items() if "kind" in results
              for system in spec.systems if row.endswith(f"-{system}")}
@@ -241,7 +250,9 @@ def run_suite(spec_path: str | Path, out: str | Path, overwrite: bool = False) -
                            **_kv_reuse(sum(t["prompt_tokens"] for t in by_task.values()),
                                        sum(t["prompt_tokens_from_cache"] for t in by_task.values())),
                            "by_task": by_task}
-    report = tables(spec, scores, kinds, sharing)
+    logs = {(row, task): (_log_folder(out, row, task), {item["id"] for item in known_tasks[task].items})
+            for row, task in scores}  # (every scored task is known: run here or found by finished_runs)
+    report = tables(spec, scores, kinds, sharing, logs)
     report["quality"]["from_earlier_runs"] = sorted(f"{row}/{task}" for row, task in earlier)
     report["quality"]["not_merged"] = [why for why in not_merged if why.partition(":")[0] not in performed]
     if earlier:
@@ -256,6 +267,12 @@ def run_suite(spec_path: str | Path, out: str | Path, overwrite: bool = False) -
     write_text_atomic(out / "orchestration.json", json.dumps(report["orchestration"], indent=1))
     write_text_atomic(out / "orchestration.md", report["orchestration_md"])
     return report
+
+
+def _log_folder(out: Path, row: str, task: str) -> Path:
+    """Where a row's run of a task keeps its samples: samples/<system>/<row>/<task>."""
+    system = "base" if row == "base" else row.split("-", 1)[1]  # rows are <domain>-<system>
+    return out / "samples" / system / row / task
 
 
 def _kv_reuse(prompt: int, cached: int) -> dict:
@@ -277,10 +294,75 @@ def _cell(metric: dict | None) -> str:
     return "-" if metric is None else ci_cell(metric)
 
 
-def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[str, dict]) -> dict:
+KIND_TITLES = {"icarus": "ICaRus", "alora": "aLoRA"}
+
+
+def _paired_with_lora(spec: SuiteSpec, rows: dict, logs: dict, system: str, lora: str) -> tuple[dict, list[str]]:
+    """Each column's paired comparison of ``system``'s specialist with LoRA's (and the share
+    of LoRA's gain over the base it keeps), from the runs' per-item scores."""
+    task_domain = {task: domain for domain, task in DOMAINS.items()}
+    found, lines = {}, []
+    for task, _, title in COLUMNS:
+        mine, theirs = rows[system][title], rows[lora][title]
+        if mine is None or theirs is None:
+            continue
+        domain = task_domain[task]
+        found[title] = {"system": mine["mean"], "lora": theirs["mean"]}
+        try:
+            runs = {"system": _per_item(logs, f"{domain}-{system}", task, title),
+                    "lora": _per_item(logs, f"{domain}-{lora}", task, title)}
+            if None in runs.values():
+                raise KvshareError("no per-item scores here (samples.jsonl not in the output folder)")
+            base = _base_per_item(logs, task, title) if spec.base else None
+            result = compare.compare_systems({name: [run] for name, run in {**runs, "base": base}.items() if run},
+                                             "lora", "base" if base else None, spec.equivalence_margin)
+        except KvshareError as err:
+            found[title].update(paired=None, why=str(err))
+            lines.append(f"- {title}: not paired: {err}")
+            continue
+        found[title]["paired"] = {k: result["systems"]["system"][k] for k in (
+            "difference", "ci95", "ci90", "equivalent", "verdict", "mcnemar", "gain_share")}
+        found[title].update({k: result[k] for k in ("unit", "margin", "items", "clusters", "cluster_source")})
+        lines.append(_paired_line(title, found[title]["paired"]))
+    return found, lines
+
+
+def _base_per_item(logs: dict, task: str, title: str) -> compare.Run | None:
+    """The base's per-item scores, None where they are not here: the comparison stands without
+    the share of the gain."""
+    try:
+        return _per_item(logs, "base", task, title)
+    except KvshareError:
+        return None
+
+
+def _per_item(logs: dict, row: str, task: str, title: str) -> compare.Run | None:
+    """A row's per-item scores for a column, None where its log is not here."""
+    folder, items = logs.get((row, task), (None, None))
+    if folder is None or not (folder / "samples.jsonl").is_file():
+        return None
+    return compare.load_run(folder, PER_ITEM[title], items=items)
+
+
+def _paired_line(title: str, paired: dict) -> str:
+    low, high = paired["ci95"]
+    line = f"- {title}: {paired['difference']:+.1f} [{low:.1f}, {high:.1f}]: {paired['verdict']}"
+    if paired["mcnemar"] is not None:
+        line += f"; McNemar p = {paired['mcnemar']['p']:.3g}"
+    share = paired["gain_share"]
+    if share is not None and share["share"] == share["share"]:
+        line += (f"; keeps {share['share']:.0%} [{share['ci95'][0]:.0%}, {share['ci95'][1]:.0%}] of LoRA's gain "
+                 f"over the base ({share['reference_gain']:+.1f})")
+    return line
+
+
+def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[str, dict],
+           logs: dict[tuple[str, str], tuple[Path, set[str]]] | None = None) -> dict:
+    """The quality and orchestration tables; ``logs``: (row, task) -> (its run's folder, the
+    task's item ids), for the paired comparisons' per-item scores."""
     task_domain = {task: domain for domain, task in DOMAINS.items()}
     # quality: each kind's specialist on its own task (and the base), with intervals
-    quality = {"settings": spec.model_dump(), "rows": {}, "icarus_vs_lora": {}}
+    quality = {"settings": spec.model_dump(), "rows": {}, "icarus_vs_lora": {}, "alora_vs_lora": {}}
     lines = ["| system | " + " | ".join(title for _, _, title in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     labels = (["base"] if spec.base else []) + list(spec.systems)
     for label in labels:
@@ -289,18 +371,13 @@ def tables(spec: SuiteSpec, scores: dict, kinds: dict[str, str], sharing: dict[s
         quality["rows"][label] = row
         lines.append(f"| {label} | " + " | ".join(_cell(row[title]) for _, _, title in COLUMNS) + " |")
     by_kind = {kind: system for system, kind in kinds.items()}
-    if "icarus" in by_kind and "lora" in by_kind:
-        lines += ["", "ICaRus within the 95% interval of LoRA (same task, same examples):", ""]
-        for _, _, title in COLUMNS:
-            icarus, lora = quality["rows"][by_kind["icarus"]][title], quality["rows"][by_kind["lora"]][title]
-            if icarus is None or lora is None:
-                continue
-            # None when LoRA's interval is undefined (a single example)
-            inside = None if lora["stderr"] != lora["stderr"] else lora["ci95"][0] <= icarus["mean"] <= lora["ci95"][1]
-            quality["icarus_vs_lora"][title] = {"icarus": icarus["mean"], "lora": lora["mean"],
-                                                "lora_ci95": lora["ci95"], "within": inside}
-            verdict = {True: "within", False: "outside", None: "undetermined (one example)"}[inside]
-            lines.append(f"- {title}: ICaRus {icarus['mean']:.3f} vs LoRA {ci_cell(lora)}: {verdict}")
+    for kind in ("icarus", "alora"):
+        if kind in by_kind and "lora" in by_kind:
+            quality[f"{kind}_vs_lora"], paired_lines = _paired_with_lora(spec, quality["rows"], logs or {},
+                                                                         by_kind[kind], by_kind["lora"])
+            lines += ["", f"{KIND_TITLES[kind]} - LoRA, paired on the same items (in points: per-item scores x100; "
+                      "95% bootstrap interval over the items' clusters; TOST at alpha 0.05, equivalent iff the "
+                      f"90% interval lies inside ±{spec.equivalence_margin:g}):", "", *paired_lines]
     # orchestration: base, single adapters on every task, routed systems, KV sharing, average
     orchestration = {"rows": [], "sharing": sharing}
     head = ["| row | " + " | ".join(HEADLINE) + " | average | KV sharing |", "|---" * (len(HEADLINE) + 3) + "|"]

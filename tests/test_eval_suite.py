@@ -56,6 +56,14 @@ def test_suite_scores_every_system_and_shows_each_kinds_sharing(suite):
     assert set(quality["rows"]) == {"base", "icarus", "alora", "lora"}
     assert set(quality["icarus_vs_lora"]) == {"GSM8K", "GSM8K strict", "HumanEval", "HumanEval+", "HotpotQA F1"}
     assert all(row["GSM8K"]["n"] == 2 and row["HotpotQA F1"]["n"] == 1 for row in quality["rows"].values())
+    for kind in ("icarus", "alora"):  # paired with LoRA item by item, every column
+        pairs = quality[f"{kind}_vs_lora"]
+        assert set(pairs) == set(quality["icarus_vs_lora"]) and all(p["paired"] for p in pairs.values())
+        gsm8k = pairs["GSM8K"]
+        assert gsm8k["items"] == 2 and gsm8k["margin"] == 3.0 and gsm8k["paired"]["mcnemar"] is not None
+        assert gsm8k["paired"]["difference"] == pytest.approx(100 * (quality["rows"][kind]["GSM8K"]["mean"]
+                                                                     - quality["rows"]["lora"]["GSM8K"]["mean"]))
+    assert "equivalent iff the 90% interval lies inside ±3" in (suite / "out" / "quality.md").read_text()
     rows = [r["row"] for r in report["orchestration"]["rows"]]
     assert rows[0] == "base" and len(rows) == 1 + 9 + 3  # base, nine single adapters, three routed systems
     sharing = report["orchestration"]["sharing"]
@@ -113,12 +121,16 @@ def test_a_suite_run_in_parts_shows_the_union_of_runs_with_its_settings(suite, t
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(part))
     out = tmp_path / "out"
     first = run_suite(tmp_path / "math.yaml", out)
+    (out / "samples" / "icarus" / "math-icarus" / "gsm8k" / "samples.jsonl").unlink()  # scores travel without it
     second = run_suite(tmp_path / "qa.yaml", out)
     for kind in ("icarus", "lora"):
         assert second["quality"]["rows"][kind]["GSM8K"] == first["quality"]["rows"][kind]["GSM8K"]
         assert second["quality"]["rows"][kind]["HotpotQA F1"]["n"] == 1
     assert second["quality"]["from_earlier_runs"] == ["math-icarus/gsm8k", "math-lora/gsm8k"]
     assert set(second["quality"]["icarus_vs_lora"]) == {"GSM8K", "GSM8K strict", "HotpotQA F1"}
+    assert second["quality"]["icarus_vs_lora"]["GSM8K"]["paired"] is None  # its per-item log is gone
+    assert second["quality"]["icarus_vs_lora"]["HotpotQA F1"]["paired"]["verdict"]
+    assert "- GSM8K: not paired: no per-item scores" in second["quality_md"]
     assert "math-icarus/gsm8k" in (out / "quality.md").read_text()
     assert re.search(r"\(f1-hotpotqa \d+%\) \|", second["orchestration_md"])  # the KV column names the tasks it measured
     recorded = json.loads((out / "samples" / "icarus" / "qa-icarus" / "f1-hotpotqa" / "results.json").read_text())

@@ -31,7 +31,7 @@ def test_core_is_kvshare_and_schema_ships():
 HELP_COMMANDS = [
     [], ["models"], ["models", "pull"], ["models", "list"], ["models", "path"],
     ["models", "fingerprint"], ["export"], ["inspect"], ["demo"], ["train"], ["plot-loss"],
-    ["bench"], ["bench", "engine"], ["bench", "kernels"], ["bench", "workflow"], ["bench", "alora"], ["bench", "kvflow"], ["bench", "quant"], ["serve"], ["story"], ["eval"],
+    ["bench"], ["bench", "engine"], ["bench", "kernels"], ["bench", "workflow"], ["bench", "alora"], ["bench", "kvflow"], ["bench", "quant"], ["serve"], ["story"], ["eval"], ["eval", "compare"],
 ]
 
 
