@@ -44,10 +44,24 @@ class Fingerprints:
     tokenizer: str  # tokenizer vocabulary alone
 
 
+_KNOWN: dict[tuple[str, str], Fingerprints] = {}  # (folder, its files' sizes and times) -> fingerprints, per process
+
+
 def fingerprints(model_dir: Path) -> Fingerprints:
-    """Return the model folder's fingerprints, from the cache file when it is still valid."""
+    """Return the model folder's fingerprints: known in this process (a server checks every
+    adapter it loads against its base: the base is hashed once, even where the cache file
+    cannot be written), else from the cache file when it is still valid, else computed."""
     model_dir = Path(model_dir)
     stats = _file_stats(model_dir)
+    key = (str(model_dir.resolve()), json.dumps(stats))
+    if key not in _KNOWN:
+        _KNOWN[key] = _cached_or_computed(model_dir, stats)
+    return _KNOWN[key]
+
+
+def _cached_or_computed(model_dir: Path, stats: dict[str, list[int]]) -> Fingerprints:
+    """The fingerprints from the folder's cache file when it is still valid, else computed
+    (and the cache file written, where it can be)."""
     cache = model_dir / CACHE_FILE
     if cache.is_file():
         try:

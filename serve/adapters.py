@@ -76,6 +76,21 @@ def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | Non
     return None
 
 
+def check_finite(path: Path, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+    """Refuse NaN or Inf in an adapter's factors or scales, as they will be served (after the
+    cast to the engine's dtype, which can overflow). Such an adapter's rows write NaN into KV
+    that other adapters read in the shared layouts (ForkKV's base part, full reuse), so one bad
+    adapter would break every other; it is refused before it is ever served."""
+    for (layer, module), (a, b, scale) in sorted(weights.items()):
+        if not math.isfinite(scale):
+            raise KvshareError(f"{path}: adapter weights are not finite: layer {layer} {module} has scale {scale} "
+                               "(lora_alpha / rank); refusing to load it")
+        for factor, tensor in (("A", a), ("B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise KvshareError(f"{path}: adapter weights are not finite: layer {layer} {module}.lora_{factor} "
+                                   "holds NaN or Inf values; refusing to load it")
+
+
 class AdapterSet:
     def __init__(self, base_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.base_dir = base_dir
@@ -103,16 +118,31 @@ class AdapterSet:
         """Load an exported adapter under ``name``; ``kv_layout="forkkv"`` serves a lora
         adapter with ForkKV's shared base part and private rank-r residual (None: the
         default layout for lora adapters, exact for other kinds)."""
+        return self.install(self.prepare(path, name, kv_layout))
+
+    def prepare(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> LoadedAdapter:
+        """Read, check and digest the adapter at ``path`` without touching the slots, so a
+        server can run it off the engine thread (reading and checking cost the file's size;
+        :meth:`install` then costs nothing). Every load goes through here: here the weights
+        are refused if they are not finite."""
         path = Path(path)
         manifest, kv_layout = self.layout_of(path, kv_layout)
         name = name or manifest["name"]
-        if name in self.by_name:
-            raise KvshareError(f"an adapter named {name!r} is already loaded")
+        self._check_name_free(name)
         # the config and weights are read once: what is checked, loaded and digested is one thing,
         # even if the files are replaced while this runs
         config = read_json(path / ADAPTER_CONFIG)
         raw, tensors = read_tensor_file(path / ADAPTER_WEIGHTS)
         check_loaded_files(manifest, path, {ADAPTER_CONFIG: config, ADAPTER_WEIGHTS: raw})
+        weights = self._weights_of(path, tensors, config)
+        check_finite(path, weights)
+        kind = parse_kind(manifest["kind"])
+        invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
+        return LoadedAdapter(name, kind, path, manifest, invocation, weights,
+                             adapter_digest(path, kind, invocation, config=config, weights=raw), kv_layout)
+
+    def _weights_of(self, path: Path, tensors: dict[str, torch.Tensor], config: dict) -> dict:
+        """(layer, projection) -> (A, B, scale) on this set's device and dtype."""
         alpha, use_rslora = lora_alpha(config), bool(config.get("use_rslora"))
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
@@ -125,24 +155,30 @@ class AdapterSet:
             rank = ab["A"].shape[0]
             scale = alpha / math.sqrt(rank) if use_rslora else alpha / rank
             weights[module] = (ab["A"].contiguous(), ab["B"].contiguous(), scale)
-        kind = parse_kind(manifest["kind"])
-        invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
-        adapter = LoadedAdapter(name, kind, path, manifest, invocation, weights,
-                                adapter_digest(path, kind, invocation, config=config, weights=raw), kv_layout)
-        del raw, tensors
-        if kv_layout == "forkkv" and adapter.rank > self.residual_rank:
-            raise KvshareError(f"adapter {name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
+        return weights
+
+    def install(self, adapter: LoadedAdapter) -> str:
+        """Put a :meth:`prepare`-d adapter in a slot: cheap, the part that must run between
+        steps (on the engine thread). Its name is checked again: another load may have taken
+        it meanwhile."""
+        self._check_name_free(adapter.name)
+        if adapter.kv_layout == "forkkv" and adapter.rank > self.residual_rank:
+            raise KvshareError(f"adapter {adapter.name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
                                f"rank {self.residual_rank} at most (raise forkkv_max_rank)")
         slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
         if slot == len(self.slots):
             self.slots.append(adapter)
         else:
             self.slots[slot] = adapter
-        self.by_name[name] = slot
+        self.by_name[adapter.name] = slot
         self.version += 1
         self._lookup.clear()
         self._residual.clear()
-        return name
+        return adapter.name
+
+    def _check_name_free(self, name: str) -> None:
+        if name in self.by_name:
+            raise KvshareError(f"an adapter named {name!r} is already loaded")
 
     def unload(self, name: str) -> None:
         slot = self.get_slot(name)

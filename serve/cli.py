@@ -110,14 +110,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray and enable_loading:
         raise KvshareError("runtime LoRA loading (--enable-lora-loading, VLLM_ALLOW_RUNTIME_LORA_UPDATING) does not "
                            "work with --ray: a load would reach one replica")
+    _check_runtime_lora_flags(args, enable_loading)
     if args.ray:
         return _serve_on_ray(args, api_key, lora_modules, enable_loading)
     serve(args.model, args.adapter or [], host=args.host, port=args.port, api_key=api_key,
           config=config, limits=server_limits_from_args(args),
           lora_modules=lora_modules, served_model_name=args.served_model_name,
           enable_lora_loading=enable_loading, colocate=colocate, lending=args.lending,
-          generation_config=args.generation_config)
+          generation_config=args.generation_config, lora_root=args.lora_root,
+          allow_runtime_replace_startup_adapters=args.allow_runtime_replace_startup_adapters)
     return 0
+
+
+def _check_runtime_lora_flags(args: argparse.Namespace, enable_loading: bool) -> None:
+    """--lora-root and --allow-runtime-replace-startup-adapters only say what runtime loading
+    may do: without it they would protect nothing, so a command line that relies on them is
+    refused rather than silently ignored; a root that is not a folder too, before models load."""
+    for flag in ("lora_root", "allow_runtime_replace_startup_adapters"):
+        if getattr(args, flag) and not enable_loading:
+            raise KvshareError(f"--{flag.replace('_', '-')} applies to runtime LoRA loading: it needs "
+                               "--enable-lora-loading (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
+    if args.lora_root is not None:
+        from .lora_scope import lora_root
+
+        lora_root(args.lora_root)
 
 
 def _serve_on_ray(args: argparse.Namespace, api_key: str | None, lora_modules: list[tuple[str, str]],
@@ -160,6 +176,12 @@ def register(sub) -> None:
     p.add_argument("--enable-lora-loading", action="store_true",
                    help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM with "
                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also turns this on)")
+    p.add_argument("--lora-root", metavar="DIR",
+                   help="with --enable-lora-loading: runtime-loaded adapters must lie in this folder (their paths "
+                   "resolved, symlinks followed); default: any folder the server can read")
+    p.add_argument("--allow-runtime-replace-startup-adapters", action="store_true",
+                   help="with --enable-lora-loading: let /v1/unload_lora_adapter unload (and so replace) the adapters "
+                   "given at start-up (--adapter, --lora-modules, --colocate); default: they stay")
     p.add_argument("--colocate", action="append", metavar="SPEC",
                    help="serve another base model in this process, routed by the request's model (repeatable): "
                    '\'{"model": NAME_OR_DIR, "served_model_name": ..., "adapters": [DIR, ...], "kv_cache_tokens": N}\' '

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ..errors import KvshareError
 from .config import EngineConfig
+from .adapters import LoadedAdapter
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
 from .output import error_output
@@ -86,17 +87,24 @@ class Colocation:
     def load_adapter(self, model: str | None, path: str | Path, name: str | None = None) -> str:
         """Load an adapter onto base ``model`` (None: the only one), refusing a name that
         another co-located model already serves. Call it on the driver thread."""
+        return self.install_adapter(model, self.prepare_adapter(model, path, name))
+
+    def prepare_adapter(self, model: str | None, path: str | Path, name: str | None = None) -> LoadedAdapter:
+        """Read and check an adapter for base ``model`` (:meth:`LLMEngine.prepare_adapter`):
+        safe on any thread, so the driver keeps stepping while a file is read."""
         base, engine = self._engine(model)
         if name is not None:
             self._check_free(name, base)
-        loaded = engine.load_adapter(path, name)
-        if name is None:  # named by its manifest: known only now
-            try:
-                self._check_free(loaded, base)
-            except KvshareError:
-                engine.unload_adapter(loaded)
-                raise
-        return loaded
+        adapter = engine.prepare_adapter(path, name)
+        self._check_free(adapter.name, base)  # named by its manifest: known only now
+        return adapter
+
+    def install_adapter(self, model: str | None, adapter: LoadedAdapter) -> str:
+        """Serve a prepared adapter on base ``model``; on the driver thread (its name is checked
+        again: another load may have taken it meanwhile)."""
+        base, engine = self._engine(model)
+        self._check_free(adapter.name, base)
+        return engine.install_adapter(adapter)
 
     # what the driver calls -------------------------------------------------------------------
     def add_request(self, model: str | None, prompt: str | list[int], params: SamplingParams | None = None,

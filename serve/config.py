@@ -171,6 +171,10 @@ class ServerLimits:
     max_hints_bytes: int = 64 * 2**10  # ``kvshare_hints`` as JSON
     max_hints_depth: int = 8  # nesting of ``kvshare_hints`` (objects and lists)
     max_waiting: int = 256  # requests queued for the engine: more is 503; a larger batch is 400
+    # sequences one request queues (prompts x n): one request may not fill the waiting queue alone
+    max_request_sequences: int = 64
+    # echo + logprobs: prompt tokens x (logprobs + 1) entries a reply scores, over its prompts and choices
+    max_scored_entries: int = 2**20
 
     def __post_init__(self):
         for f in fields(self):

@@ -37,6 +37,7 @@ from .config import EngineConfig
 from .hints import AgentHints
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
+from .sampler import allowed_mask
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -112,10 +113,20 @@ class LLMEngine:
     def load_adapter(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
         """Load an exported adapter; ``kv_layout="forkkv"`` serves a lora adapter with ForkKV
         (default: the engine's ``kv_layout`` for lora adapters, exact for the other kinds)."""
-        if kv_layout == "forkkv":
-            self._adapters.layout_of(path, kv_layout)  # an adapter ForkKV cannot serve: refused before the pool
+        return self.install_adapter(self.prepare_adapter(path, name, kv_layout))
+
+    def prepare_adapter(self, path: str | Path, name: str | None = None,
+                        kv_layout: str | None = None) -> LoadedAdapter:
+        """Read and check an adapter (manifest, files, base fingerprint, finite weights) without
+        changing the engine: what a server runs on a worker thread, so that steps go on while
+        the file is read; :meth:`install_adapter` then serves it."""
+        return self._adapters.prepare(path, name, kv_layout)
+
+    def install_adapter(self, adapter: LoadedAdapter) -> str:
+        """Serve a :meth:`prepare_adapter`-d adapter (cheap; on the thread that steps the engine)."""
+        if adapter.kv_layout == "forkkv":
             self._ensure_residual_pool()
-        return self._adapters.load(path, name, kv_layout)
+        return self._adapters.install(adapter)
 
     def hidden_states(self, prompt: list[int], adapter: str | None = None) -> torch.Tensor:
         """(layers, hidden) float32: each decoder layer's output at the prompt's last position,
@@ -235,6 +246,8 @@ class LLMEngine:
                 seq.invocation_start = find_invocation_start(tokens, loaded.invocation)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
+        if params.allowed_token_ids is not None:  # once here, not at every step of the request
+            seq.allowed_mask = allowed_mask(params.allowed_token_ids, vocab, self.runner.device)
         self.sequences[request_id] = seq
         seq.agent = self._agents.on_request(hints)
         self._scheduler.add(seq)

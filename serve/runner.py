@@ -150,7 +150,8 @@ class ModelRunner:
         index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
         histories = [s.tokens if s.params.repetition_penalty != 1.0 else None for s in seqs]  # prompt + output
         tokens = sample_batch(logits.index_select(0, index), [s.params for s in seqs], [s.generator for s in seqs],
-                              histories, [len(s.output) for s in seqs], self.eos_token_ids)
+                              histories, [len(s.output) for s in seqs], self.eos_token_ids,
+                              [s.allowed_mask for s in seqs])
         # (logit row, token whose logprob is reported, how many alternatives): sampled rows that
         # asked for logprobs, and every prompt-scoring row
         wanted = [(row, token, seq.params.logprobs) for row, seq, token in zip(sample_rows, seqs, tokens)

@@ -19,11 +19,23 @@ import torch
 from .sampling import SamplingParams
 
 
+def allowed_mask(ids: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(vocab,) bool: True at the ``ids`` a row may draw (ids past ``vocab`` ignored). Built once
+    per request (the engine keeps it with the sequence): rebuilt every step, a list of millions
+    of ids cost seconds a step, stalling every request in the batch."""
+    keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+    index = torch.tensor(ids, dtype=torch.long, device=device)
+    keep[index[index < vocab]] = True
+    return keep
+
+
 def restrict(logits: torch.Tensor, params: list[SamplingParams], generated: list[int] | None,
-             eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+             eos_token_ids: frozenset[int] = frozenset(),
+             masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """Set to -inf the logits a row may not draw: its stop token ids and (unless it ignores them)
     ``eos_token_ids`` while it has generated fewer than ``min_tokens`` (``generated``: tokens
-    so far per row), and every id outside its ``allowed_token_ids``."""
+    so far per row), and every id outside its ``allowed_token_ids`` (``masks``: each row's
+    :func:`allowed_mask`, built when its request was added; None: built here)."""
     vocab, device = logits.shape[1], logits.device
     rows, cols = [], []
     for i, p in enumerate(params):
@@ -39,10 +51,8 @@ def restrict(logits: torch.Tensor, params: list[SamplingParams], generated: list
     if rows:
         logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
     if allowed:
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
-        pairs = [(j, t) for j, i in enumerate(allowed) for t in params[i].allowed_token_ids if t < vocab]
-        row_of, token_of = torch.tensor(pairs, dtype=torch.long, device=device).reshape(-1, 2).unbind(1)
-        keep[row_of, token_of] = True
+        keep = torch.stack([masks[i] if masks is not None and masks[i] is not None
+                            else allowed_mask(params[i].allowed_token_ids, vocab, device) for i in allowed])
         index = torch.tensor(allowed, device=device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
     return logits
@@ -100,19 +110,21 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def sampling_scores(logits: torch.Tensor, params: list[SamplingParams],
                     histories: list[list[int] | None] | None = None, generated: list[int] | None = None,
-                    eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+                    eos_token_ids: frozenset[int] = frozenset(),
+                    masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """The scores each (non-greedy) row samples from: softmax of these is its distribution."""
-    return _warp(penalize(restrict(logits, params, generated, eos_token_ids), params, histories), params)
+    return _warp(penalize(restrict(logits, params, generated, eos_token_ids, masks), params, histories), params)
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  histories: list[list[int] | None] | None = None, generated: list[int] | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 masks: list[torch.Tensor | None] | None = None) -> list[int]:
     """Next token of every row of float32 ``logits`` (rows, vocab); ``histories`` holds the
     prompt and output tokens of each row with a repetition penalty (None elsewhere);
-    ``generated`` and ``eos_token_ids``: :func:`restrict`."""
-    logits = penalize(restrict(logits, params, generated, eos_token_ids), params, histories)
+    ``generated``, ``eos_token_ids`` and ``masks``: :func:`restrict`."""
+    logits = penalize(restrict(logits, params, generated, eos_token_ids, masks), params, histories)
     tokens = torch.argmax(logits, dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -60,6 +60,8 @@ class SamplingParams:
                 not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise KvshareError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if self.allowed_token_ids is not None:  # each id once: a repeated id allows nothing more
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

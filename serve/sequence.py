@@ -56,6 +56,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     generator: torch.Generator | None = None
+    allowed_mask: torch.Tensor | None = None  # (vocab,) bool of params.allowed_token_ids, built once when added
     hints: AgentHints = field(default_factory=AgentHints)  # what its workflow said about the calls ahead
     agent: tuple[str, str] | None = None  # (workflow, agent) when the hints name the agent
     fixed_blocks: int | None = None  # leading full blocks of the agent's fixed prompt

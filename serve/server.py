@@ -34,19 +34,23 @@ context length), and ``/v1/models`` lists every base with its adapters.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
 import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
@@ -58,6 +62,7 @@ from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
 from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
+from .lora_scope import RuntimeLoraScope, StartupAdapterLocked
 from .metrics import ServerMetrics
 from .sampling import SamplingParams
 
@@ -306,8 +311,71 @@ class UnloadLoraRequest(BaseModel):
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
-                                                               "param": param, "code": status}})
+    return JSONResponse(status_code=status, content={"error": {"message": _printable(message), "type": kind,
+                                                               "param": param and _printable(param), "code": status}})
+
+
+def _printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot carry (a lone surrogate) as "?": an error that quotes a
+    client's text must still encode, or its reply becomes a plain-text 500."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# a UTF-16 surrogate's JSON escape: only a body with one can parse to text that is not Unicode
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_at(value) -> str | None:
+    """The dotted path of a string (or key) in parsed JSON that holds a lone surrogate ("" for
+    the top level), or None when all of it is Unicode; walked without recursion."""
+    todo = [(value, "")]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, str) and _printable(item) != item:
+            return where
+        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, child in children:
+            path = f"{where}.{_printable(str(key))}" if where else _printable(str(key))
+            if isinstance(key, str) and _printable(key) != key:
+                return path
+            todo.append((child, path))
+    return None
+
+
+async def _check_unicode(request: Request) -> None:
+    """A 400 naming the field when a body is not UTF-8 or its JSON holds a lone surrogate
+    (``"\\ud800"``): such text failed deep inside a tokenizer, a template or an error reply
+    (a plain-text 500). Bodies without a surrogate's escape are only decoded (valid pairs, an
+    emoji as ``json.dumps`` escapes it, are walked and pass)."""
+    body = await request.body()
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:  # a surrogate's own bytes (ED A0 80) among them
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {err.start})") from None
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    try:
+        data = await request.json()  # Starlette keeps it: FastAPI does not parse the body again
+    except ValueError:
+        return  # not JSON: FastAPI's own 400 says so
+    where = _lone_surrogate_at(data)
+    if where is not None:
+        raise ApiError(400, f"{where or 'the body'}: the text is not valid Unicode (a lone UTF-16 surrogate, "
+                       "such as \\ud800); send UTF-8 text", param=where or None)
+
+
+class _UnicodeCheckedRoute(APIRoute):
+    """Every route checks its body with :func:`_check_unicode` before FastAPI parses it, so that
+    each field of every route is covered in one place."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            await _check_unicode(request)
+            return await handler(request)
+
+        return checked
 
 
 _GUARDED = frozenset({"/tokenize", "/detokenize"})  # beside /v1/*: /health, /metrics, /version stay open
@@ -436,7 +504,97 @@ def check_in_vocabulary(ids: list[int], vocab_size: int, param: str) -> None:
     """A 400 naming the first token id outside the vocabulary."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+
+
+def check_scored(req: CompletionRequest, prompts: list[list[int]], limits: ServerLimits) -> None:
+    """A 400 when echo with logprobs would score more than ``max_scored_entries`` entries: every
+    prompt token of every choice, with its ``logprobs`` alternatives and itself. Each is decoded,
+    kept and encoded into the reply (tens of bytes of JSON apiece)."""
+    if not req.echo or req.logprobs is None:
+        return
+    tokens = sum(map(len, prompts))
+    entries = tokens * req.n * (req.logprobs + 1)
+    if entries > limits.max_scored_entries:
+        raise ApiError(400, f"echo with logprobs={req.logprobs} scores {entries} entries ({tokens} prompt tokens x "
+                       f"n={req.n} x {req.logprobs + 1}); at most max_scored_entries={limits.max_scored_entries}",
+                       param="logprobs")
+
+
+_PIECE = 4096  # leaves (numbers, strings) per json.dumps call: about a millisecond of holding the GIL
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # Starlette's
+
+
+def _json_bytes(value) -> bytes:
+    """``value`` as JSONResponse writes it, encoded in pieces (:func:`_json_pieces`): one
+    ``json.dumps`` holds the GIL until it returns, so over a reply of a million logprobs it
+    stalled the event loop for seconds even from another thread."""
+    return "".join(_json_pieces(value)).encode("utf-8")
+
+
+def _json_pieces(value):
+    """JSON text of ``value`` in pieces of about ``_PIECE`` leaves, between which the thread
+    lets the event loop run: containers of containers are taken apart, long lists sliced."""
+    if isinstance(value, dict) and not _flat(value):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ("," if i else "") + _dumps(str(key)) + ":"
+            yield from _json_pieces(item)
+        yield "}"
+    elif isinstance(value, list) and not _flat(value):
+        yield "["
+        for i, run in enumerate(_runs(value)):
+            yield "," if i else ""
+            yield from _json_pieces(run[0]) if len(run) == 1 else (_dumps(run)[1:-1],)
+        yield "]"
+    elif isinstance(value, list) and len(value) > _PIECE:
+        yield "[" + ",".join(_dumps(value[i:i + _PIECE])[1:-1] for i in range(0, len(value), _PIECE)) + "]"
+    else:
+        yield _dumps(value)
+
+
+def _runs(items: list):
+    """Consecutive ``items`` in runs of about ``_PIECE`` leaves; an item with containers inside
+    (its size unknown) is a run of its own, for :func:`_json_pieces` to take apart."""
+    run, leaves = [], 0
+    for item in items:
+        if not _flat(item):
+            if run:
+                yield run
+            yield [item]
+            run, leaves = [], 0
+            continue
+        run.append(item)
+        leaves += len(item) if isinstance(item, (dict, list)) else 1
+        if leaves >= _PIECE:
+            yield run
+            run, leaves = [], 0
+    if run:
+        yield run
+
+
+def _flat(value) -> bool:
+    """Whether ``value`` holds no dict or list: a leaf, or a container of leaves."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return not any(isinstance(item, (dict, list)) for item in items)
+
+
+def check_context(engine: LLMEngine, count: int, param: str) -> None:
+    """/tokenize and /detokenize: a 400 for more tokens than the context holds, the bound the
+    generation routes put on every prompt, so that neither route is the way around it."""
+    if count > engine.max_model_len:
+        raise ApiError(400, f"{count} tokens exceed the maximum context length {engine.max_model_len}", param=param)
+
+
+def check_allowed_token_ids(ids: list[int] | None, vocab_size: int) -> None:
+    """A 400 for ``allowed_token_ids`` longer than the vocabulary (some id repeats: a list of
+    megabytes, each id a loop iteration) or naming an id outside it; counted before any id is read."""
+    if ids is None:
+        return
+    if len(ids) > vocab_size:
+        raise ApiError(400, f"allowed_token_ids has {len(ids)} ids; at most the vocabulary size {vocab_size} "
+                       "(each id once)", param="allowed_token_ids")
+    check_in_vocabulary(ids, vocab_size, "allowed_token_ids")
 
 
 def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> None:
@@ -458,6 +616,7 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
         raise ApiError(400, f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_sequences} are "
                        "allowed", param="stop_token_ids")
     check_in_vocabulary(stop_ids, vocab_size, "stop_token_ids")
+    check_allowed_token_ids(req.allowed_token_ids, vocab_size)
     for name in ("logprobs", "top_logprobs"):
         value = getattr(req, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
@@ -478,14 +637,17 @@ def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> 
 def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                served_model_name: str | list[str] | None = None, max_waiting: int | None = None,
                limits: ServerLimits | None = None, enable_lora_loading: bool = False,
-               generation_config: str = "auto") -> FastAPI:
+               generation_config: str = "auto", lora_root: str | Path | None = None,
+               allow_runtime_replace_startup_adapters: bool = False) -> FastAPI:
     """The app over ``engine``, or over co-located engines (a :class:`Colocation`, served under
     its names; a request's ``model`` picks the engine); ``max_waiting`` overrides
     ``limits.max_waiting`` (a bound per model). One engine answers to every name in
     ``served_model_name`` (vLLM's flag; default: the engine's model name), each of which
     the model list shows (as vLLM's). ``enable_lora_loading`` adds vLLM's ``/v1/load_lora_adapter`` and
-    ``/v1/unload_lora_adapter``. Engines whose config asks for ``warm_up`` compile their steps
-    here, with their adapters loaded, before the app answers. ``generation_config``: "auto"
+    ``/v1/unload_lora_adapter``: ``lora_root`` is the folder the adapters they load must lie in
+    (symlinks followed), and the adapters loaded before the app is made stay unless
+    ``allow_runtime_replace_startup_adapters`` (:mod:`.lora_scope`). Engines whose config asks
+    for ``warm_up`` compile their steps here, with their adapters loaded, before the app answers. ``generation_config``: "auto"
     (vLLM's default) takes the sampling a request leaves out from each model's
     ``generation_config.json``; "vllm" leaves it off (temperature 1, no top-p/k/min-p, no penalty)."""
     if generation_config not in ("auto", "vllm"):
@@ -503,6 +665,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     hidden = sorted(set(aliases) & {a.name for each in colocation.engines.values() for a in each.adapters()})
     if hidden:  # the alias would win: requests for the adapter would run on the base
         raise KvshareError(f"served model name {hidden[0]!r} is also an adapter's name")
+    lora_scope = RuntimeLoraScope(lora_root, {a.name for each in colocation.engines.values() for a in each.adapters()},
+                                  allow_runtime_replace_startup_adapters)  # what is loaded now: the start-up adapters
     for each in colocation.engines.values():  # before the engine thread starts: it owns the engine then
         if each.config.warm_up:
             each.warm_up_all()
@@ -510,6 +674,8 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     # tokenisation and chat templates run here, off the event loop; one worker (as in vLLM)
     # so a huge prompt costs one core, not every core
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-tokenize")
+    # runtime LoRA loads read and check their files here, one at a time, while the engine steps
+    lora_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-lora-load")
     server_metrics = ServerMetrics(colocation)  # /metrics: ours and vLLM's names
 
     @asynccontextmanager
@@ -517,8 +683,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         yield
         runner.shutdown()
         tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        lora_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvshare", version="1", lifespan=lifespan)
+    app.router.route_class = _UnicodeCheckedRoute  # every route below: bodies that are not Unicode are 400
     app.state.runner = runner  # the engine thread, for health checks and tests
 
     @app.exception_handler(ApiError)
@@ -549,6 +717,12 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def off_loop(work, *args):
         """Run CPU-bound ``work`` (tokenising, chat templates) on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work, *args)
+
+    async def json_reply(build) -> Response:
+        """The reply ``build()`` makes, built and encoded on the tokenizer thread in pieces
+        (:func:`_json_bytes`): returned as a dict, FastAPI encoded it on the event loop, and a
+        reply of a million logprobs held every other request (``/health`` too) for seconds."""
+        return Response(await off_loop(lambda: _json_bytes(build())), media_type="application/json")
 
     def resolve(model: str | None) -> tuple[str, LLMEngine, str | None]:
         """The request's ``model`` -> (served base name, its engine, adapter or None); 404 if
@@ -630,8 +804,11 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         """Queue every (prompt, params) job of a request, in order, or none: if one is refused,
         the others are aborted. A prompt's ``n`` choices are queued one after another, so the
         later ones wait for the first's prompt blocks and reuse them from the prefix cache."""
+        what = f"{len(jobs) // n} prompts x n={n}" if n > 1 else f"{len(jobs)} prompts"
+        if len(jobs) > limits.max_request_sequences:  # else one request could fill the queue alone
+            raise ApiError(400, f"{what} = {len(jobs)} sequences; one request may queue at most "
+                           f"max_request_sequences={limits.max_request_sequences}", param="n" if n > 1 else "prompt")
         if len(jobs) > max(1, runner.max_waiting):
-            what = f"{len(jobs) // n} prompts x n={n}" if n > 1 else f"{len(jobs)} prompts"
             raise ApiError(400, f"{what} exceed the queue's capacity of {runner.max_waiting}",
                            param="n" if n > 1 else "prompt")
         if not runner.has_room(len(jobs), hints.workflow_id, base):
@@ -951,11 +1128,13 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             tokens = await off_loop(lambda: engine.tokenizer.encode(req.prompt, add_special_tokens=special))
         else:
             tokens = await chat_tokens(engine, req.messages, adapter)
+        check_context(engine, len(tokens), "prompt" if req.messages is None else "messages")
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": list(tokens)}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         engine, _ = tokenizing_engine(req.model)
+        check_context(engine, len(req.tokens), "tokens")  # before any id is read or decoded
         check_in_vocabulary(req.tokens, engine.runner.vocab_size, "tokens")
         return {"prompt": await off_loop(engine.tokenizer.decode, req.tokens)}
 
@@ -995,6 +1174,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                            else max(1, engine.max_request_tokens() - len(prompt)) for prompt in prompts]
         for prompt, max_tokens in zip(prompts, max_tokens_each):
             check_prompt(engine, prompt, max_tokens)
+        check_scored(req, prompts, limits)
         scored = req.logprobs if req.echo else None
         params_each = [params_of(req, engine, max_tokens, req.logprobs, prompt_logprobs=scored)
                        for max_tokens in max_tokens_each]
@@ -1005,9 +1185,10 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         started = await unless_gone(request, start_all(jobs, base, adapter, hints_of(req, request), req.n))
         if not req.stream:
             outs = await unless_gone(request, collect_all(started, base))
-            choices = await off_loop(completion_choices, engine.tokenizer, outs, req, prompt_texts)
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices, "usage": usage(outs, req.n, generated=not req.prompt_only)}
+            return await json_reply(lambda: {
+                "id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": completion_choices(engine.tokenizer, outs, req, prompt_texts),
+                "usage": usage(outs, req.n, generated=not req.prompt_only)})
         echoes = await off_loop(lambda: [echoed(engine.tokenizer, p, t) for p, t in zip(prompts, prompt_texts)]) \
             if req.echo else []
 
@@ -1045,31 +1226,45 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             return stream_events(started, base, params.stop, *chunker(rid, created, req, model, body),
                                  tokenizer=engine.tokenizer if req.logprobs else None)
         outs = await unless_gone(request, collect_all(started, base))
-        choices = await off_loop(chat_choices, engine.tokenizer, outs, bool(req.logprobs))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage(outs, req.n)}
+        return await json_reply(lambda: {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                                         "choices": chat_choices(engine.tokenizer, outs, bool(req.logprobs)),
+                                         "usage": usage(outs, req.n)})
 
     if enable_lora_loading:  # vLLM's runtime LoRA updating; without the flag these are 404, as in vLLM
+        def refuse_if_startup(name: str) -> None:
+            """403, naming the flag that allows it, for unloading or replacing a start-up adapter."""
+            try:
+                lora_scope.check_replaceable(name)
+            except StartupAdapterLocked as err:
+                raise ApiError(403, str(err), kind="permission_error", param="lora_name") from None
+
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(req: LoadLoraRequest):
             """Load an exported adapter under ``lora_name``, with the checks of ``--adapter``
-            (manifest, files, base fingerprint), on the engine thread between steps, onto the
-            base ``base_model_name`` names (default: the first served base)."""
+            (manifest, files, base fingerprint, finite weights), onto the base
+            ``base_model_name`` names (default: the first served base). The files are read and
+            checked on the load worker while the engine steps; only the install runs on the
+            engine thread, between steps. Paths are scoped and refused as :mod:`.lora_scope` says."""
             if req.lora_name in colocation.engines or req.lora_name in aliases:
                 raise ApiError(400, f"{req.lora_name!r} is a base model's name", param="lora_name")
             base = aliases.get(req.base_model_name, req.base_model_name) or next(iter(colocation.engines))
             if base not in colocation.engines:
                 raise ApiError(400, f"base_model_name {req.base_model_name!r} is not a base model served here "
                                f"({', '.join(map(repr, colocation.engines))})", param="base_model_name")
+            if any(a.name == req.lora_name for a in colocation.engines[base].adapters()):
+                refuse_if_startup(req.lora_name)  # else: refused below as already loaded (unload it first)
             try:
-                await runner.call(lambda _: colocation.load_adapter(base, req.lora_path, req.lora_name))
-            except (KvshareError, OSError) as err:
+                adapter = await asyncio.get_running_loop().run_in_executor(
+                    lora_pool, lora_scope.prepare, colocation, base, req.lora_path, req.lora_name)
+                await runner.call(lambda _: colocation.install_adapter(base, adapter))
+            except KvshareError as err:  # AdapterPathRefused among them: one message, whatever the reason
                 raise ApiError(400, str(err), param="lora_path") from None
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(req: UnloadLoraRequest):
-            """Unload an adapter; refused (409) while requests use it."""
+            """Unload an adapter; refused (409) while requests use it, and (403) when it was given
+            at start-up, unless the server allows that."""
             try:
                 _, engine, adapter = colocation.resolve(req.lora_name)
             except UnknownModel:
@@ -1077,11 +1272,13 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
             if adapter is None:
                 raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
                                kind="not_found_error", param="lora_name")
+            refuse_if_startup(req.lora_name)
             try:
                 await runner.call(lambda _: engine.unload_adapter(req.lora_name))
             except KvshareError as err:
                 raise ApiError(409, f"{err}: unload it when they have finished", kind="conflict_error",
                                param="lora_name") from None
+            lora_scope.unloaded(req.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return app
@@ -1091,10 +1288,12 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
           api_key: str | None = None, config: EngineConfig | None = None,
           limits: ServerLimits | None = None, lora_modules: list[tuple[str, str]] = (),
           served_model_name: list[str] | None = None, enable_lora_loading: bool = False,
-          colocate: list[ModelSpec] = (), lending: bool = False, generation_config: str = "auto") -> None:
+          colocate: list[ModelSpec] = (), lending: bool = False, generation_config: str = "auto",
+          lora_root: str | None = None, allow_runtime_replace_startup_adapters: bool = False) -> None:
     """Serve ``model`` with ``adapters`` (under their manifest names) and ``lora_modules``
     ((name, path): vLLM's ``--lora-modules``, served under ``name``), and beside it the
-    ``colocate`` models in the same process (with ``lending``, they lend each other KV blocks)."""
+    ``colocate`` models in the same process (with ``lending``, they lend each other KV blocks).
+    ``lora_root`` and ``allow_runtime_replace_startup_adapters``: as :func:`create_app`'s."""
     import uvicorn
 
     check_port_free(host, port)  # before minutes of loading models, not after
@@ -1106,13 +1305,16 @@ def serve(model: str, adapters: list[str], *, host: str = "127.0.0.1", port: int
         for lora_name, path in lora_modules:
             colocation.load_adapter(name, path, lora_name)
         app = create_app(colocation, api_key=api_key, limits=limits, enable_lora_loading=enable_lora_loading,
-                         generation_config=generation_config)
+                         generation_config=generation_config, lora_root=lora_root,
+                         allow_runtime_replace_startup_adapters=allow_runtime_replace_startup_adapters)
     else:
         engine = LLMEngine(model, adapters, config)
         for lora_name, path in lora_modules:
             engine.load_adapter(path, lora_name)
         app = create_app(engine, api_key=api_key, limits=limits, served_model_name=served_model_name,
-                         enable_lora_loading=enable_lora_loading, generation_config=generation_config)
+                         enable_lora_loading=enable_lora_loading, generation_config=generation_config,
+                         lora_root=lora_root,
+                         allow_runtime_replace_startup_adapters=allow_runtime_replace_startup_adapters)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     except SystemExit as stop:  # uvicorn logs why it could not start, then exits
