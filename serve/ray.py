@@ -11,17 +11,21 @@ Every reply names its replica in ``x-kvshare-replica`` (and its Ray node in ``x-
 
 Ray Serve restarts a replica that dies or fails its health check (the engine thread is
 gone) on any node with room; requests caught in a dead replica fail with a 503 and should
-be retried by the client.
+be retried by the client (a stream already under way ends with an error event and ``[DONE]``,
+as the single server ends a failed stream). The gateway refuses a bad API key (401), an
+oversize body (413) and an unbounded workflow id (400) before any replica sees the request,
+and cancels the replica's request when its client leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +38,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ..errors import KvshareError
 from .config import EngineConfig, ServerLimits
-from .ray_router import WorkflowAffinityRouter
+from .hints import MAX_NAME
+from .ray_router import WorkflowAffinityRouter, valid_session_id
 
 APP_NAME = "kvshare"
 ENGINE_DEPLOYMENT = "KvshareEngine"
@@ -42,6 +47,8 @@ GATEWAY_DEPLOYMENT = "KvshareGateway"
 REPLICA_HEADER = "x-kvshare-replica"
 NODE_HEADER = "x-kvshare-node"
 SESSION_HEADER = "x-session-id"
+DONE = b"data: [DONE]\n\n"  # the last event of every server-sent event stream
+_GUARDED = frozenset({"/tokenize", "/detokenize"})  # the single server's: beside /v1/*, these need the key
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has it (Ray Train pins its state actor so)
 
 
@@ -187,51 +194,159 @@ def _error(status: int, message: str, kind: str = "server_error") -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-class KvshareGateway:
-    """The ingress: forwards each request, unchanged, to an engine replica picked by its
-    workflow id (sticky) or by load."""
+def authorized(path: str, headers: list[tuple[bytes, bytes]], expected: bytes | None) -> bool:
+    """The single server's key rule (:class:`.server._ApiKeyGuard`): ``Authorization: Bearer
+    KEY`` on /v1/* and ``_GUARDED``, compared in constant time; other paths are open."""
+    if expected is None or not (path.startswith("/v1/") or path in _GUARDED):
+        return True
+    return hmac.compare_digest(dict(headers).get(b"authorization", b""), expected)
 
-    def __init__(self, engine: DeploymentHandle, affinity: bool, max_request_bytes: int):
+
+async def read_body(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:
+    """The whole body, or None once it is over ``limit`` bytes. Joined once at the end:
+    ``body += chunk`` copies the body so far per chunk, quadratic in a body sent in small chunks."""
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has gone: its body was read, so the next ASGI message is the
+    disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _head(replies, request: Request) -> dict | Response | None:
+    """The reply's head ({"status", "headers"}), an error reply, or None when the client left
+    first. The replica's request is cancelled unless its head arrived (a long non-streamed
+    completion sends nothing until it ends, and must not run on for nobody)."""
+    head = asyncio.ensure_future(replies.__anext__())
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({head, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left = not head.done()
+        if left:
+            replies.cancel()
+        head.cancel()
+        gone.cancel()
+        await asyncio.gather(head, gone, return_exceptions=True)
+    if left:
+        return None
+    try:
+        return head.result()
+    except StopAsyncIteration:
+        return _error(502, "the engine replica gave no reply")
+    except Exception as err:  # noqa: BLE001 - the replica died or could not be reached: retryable
+        replies.cancel()
+        return _error(503, f"the engine replica failed ({type(err).__name__}); retry the request")
+
+
+def _is_event_stream(head: dict) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in head["headers"])
+
+
+def _error_event(err: BaseException) -> bytes:
+    """The single server's end of a failed stream (an OpenAI-style error event, then
+    ``[DONE]``), for a replica that died mid-stream: retryable, so 503."""
+    body = {"message": f"the engine replica failed mid-stream ({type(err).__name__}); retry the request",
+            "type": "server_error", "param": None, "code": 503}
+    return f"data: {json.dumps({'error': body})}\n\n".encode() + DONE
+
+
+async def _events(replies) -> AsyncIterator[bytes]:
+    """The replica's events; if it dies before ``[DONE]``, an error event and ``[DONE]`` end
+    the stream instead of a cut that looks like a finished one."""
+    finished = False
+    try:
+        async for chunk in replies:
+            finished = chunk.endswith(DONE)
+            yield chunk
+    except Exception as err:  # noqa: BLE001 - the replica died mid-stream
+        if not finished:
+            yield _error_event(err)
+
+
+class _Relay(StreamingResponse):
+    """A streamed reply that cancels its replica's request however it ends: finished, failed
+    or the client gone (on ASGI 2.4 Starlette leaves the body iterator unclosed when a send
+    fails, so the iterator's own ``finally`` would not run)."""
+
+    def __init__(self, head: dict, replies):
+        super().__init__(_events(replies), status_code=head["status"])
+        self.raw_headers = list(head["headers"])
+        self.replies = replies
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.replies.cancel()
+
+
+async def _whole(head: dict, replies) -> Response:
+    """A reply that is not an event stream, read whole before it is sent: a replica that dies
+    mid-reply is a retryable 503, not a cut body."""
+    try:
+        body = b"".join([chunk async for chunk in replies])
+    except Exception as err:  # noqa: BLE001 - the replica died mid-reply
+        return _error(503, f"the engine replica failed ({type(err).__name__}); retry the request")
+    finally:
+        replies.cancel()
+    response = Response(body, status_code=head["status"])
+    response.raw_headers = [(k, v) for k, v in head["headers"] if k.lower() != b"content-length"] + \
+        [(b"content-length", str(len(body)).encode())]
+    return response
+
+
+class KvshareGateway:
+    """The ingress: checks the API key, the body's size and the workflow id, then forwards
+    each request, unchanged, to an engine replica picked by its workflow id (sticky) or by load."""
+
+    def __init__(self, engine: DeploymentHandle, affinity: bool, max_request_bytes: int,
+                 api_key: str | None = None):
         self.engine = engine.options(method_name="forward", stream=True)
         self.affinity, self.max_request_bytes = affinity, max_request_bytes
+        self.expected_key = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, request: Request) -> Response:
+        if not authorized(request.url.path, request.scope["headers"], self.expected_key):
+            return _error(401, "invalid API key", "authentication_error")  # before the body is read
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_request_bytes):
-            return _error(413, f"the request body is over {self.max_request_bytes} bytes", "invalid_request_error")
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_request_bytes:
-                return _error(413, f"the request body is over {self.max_request_bytes} bytes",
-                              "invalid_request_error")
-        workflow = workflow_id_of(request.headers, body) if self.affinity else None
+            return self._too_large()
+        body = await read_body(request.stream(), self.max_request_bytes)
+        if body is None:
+            return self._too_large()
+        workflow = workflow_id_of(request.headers, body)
+        if workflow is not None and not valid_session_id(workflow):
+            return _error(400, f"the workflow id ({SESSION_HEADER} or kvshare_hints.workflow_id) must be 1 to "
+                          f"{MAX_NAME} printable ASCII characters without spaces", "invalid_request_error")
+        replies = self._forward(request, body, workflow if self.affinity else None)
+        head = await _head(replies, request)
+        if head is None:
+            return Response(status_code=499)  # the client left: nobody reads this
+        if isinstance(head, Response):
+            return head
+        return _Relay(head, replies) if _is_event_stream(head) else await _whole(head, replies)
+
+    def _too_large(self) -> Response:
+        return _error(413, f"the request body is over {self.max_request_bytes} bytes", "invalid_request_error")
+
+    def _forward(self, request: Request, body: bytes, workflow: str | None):
+        """Send the request to a replica (by ``workflow``'s affinity, else by load); returns
+        the stream of its reply."""
         handle = self.engine.options(session_id=workflow) if workflow else self.engine
         headers = [(k, v) for k, v in request.scope["headers"]
                    if k.lower() not in (b"content-length", b"transfer-encoding")]  # the body is whole now
         headers.append((b"content-length", str(len(body)).encode()))
-        replies = handle.remote(request.method, request.url.path, request.scope.get("query_string", b""),
-                                headers, body)
-        try:
-            head = await replies.__anext__()
-        except StopAsyncIteration:
-            return _error(502, "the engine replica gave no reply")
-        except Exception as err:  # noqa: BLE001 - the replica died or could not be reached: retryable
-            replies.cancel()
-            return _error(503, f"the engine replica failed ({type(err).__name__}); retry the request")
-
-        async def rest() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in replies:
-                    yield chunk
-            except Exception:  # noqa: BLE001 - the replica died mid-reply: end the body early
-                return
-            finally:
-                replies.cancel()
-
-        response = StreamingResponse(rest(), status_code=head["status"])
-        response.raw_headers = [(k, v) for k, v in head["headers"]]
-        return response
+        return handle.remote(request.method, request.url.path, request.scope.get("query_string", b""),
+                             headers, body)
 
 
 def build_app(spec: EngineSpec, options: RayServeOptions) -> serve.Application:
@@ -252,7 +367,8 @@ def build_app(spec: EngineSpec, options: RayServeOptions) -> serve.Application:
     gateway = serve.deployment(KvshareGateway, name=GATEWAY_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
                                max_ongoing_requests=100_000)
-    return gateway.bind(engine.bind(spec, options.threads), options.affinity, spec.limits.max_request_bytes)
+    return gateway.bind(engine.bind(spec, options.threads), options.affinity, spec.limits.max_request_bytes,
+                        spec.api_key)
 
 
 def start(spec: EngineSpec, options: RayServeOptions, *, host: str = "127.0.0.1", port: int = 8000,

@@ -13,21 +13,34 @@ it on that replica for as long as the replica lives: only the workflows of a dea
 move, once, and they stay where they moved.
 
 Requests without a session id go to the least loaded replica (by Ray's queue-length
-probes), as Ray's default router does.
+probes), as Ray's default router does. Session ids come from clients, so the table is
+bounded twice: an id is 1 to 256 printable ASCII characters (:func:`valid_session_id`; the
+gateway refuses others, and this router load-balances any that reach it) and at most
+``max_workflows`` ids are remembered, least recently routed forgotten first.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter, OrderedDict
 
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
+from .hints import MAX_NAME
+
+SESSION_ID = re.compile(rf"[!-~]{{1,{MAX_NAME}}}")  # printable ASCII, no spaces; the engine's workflow id bound
 MAX_REMEMBERED_WORKFLOWS = 100_000  # least recently routed ones are forgotten (placed again by the ring)
 DEFAULT_LOAD_FACTOR = 1.0  # a replica takes a new workflow while it holds at most this times its share
 DEFAULT_ACTIVE_WINDOW_S = 120.0  # a workflow counts towards its replica's load this long after its last call
+
+
+def valid_session_id(session_id: str) -> bool:
+    """Whether ``session_id`` may key the router's table: bounded in length and charset, so
+    a client's ids cost the gateway a bounded amount of memory each."""
+    return SESSION_ID.fullmatch(session_id) is not None
 
 
 class WorkflowAffinityRouter(ConsistentHashRouter):
@@ -42,15 +55,19 @@ class WorkflowAffinityRouter(ConsistentHashRouter):
         super().__init__(*args, **kwargs)
         self._placed: OrderedDict[str, tuple[ReplicaID, float]] = OrderedDict()  # oldest call first
         self._load_factor, self._active_window_s = DEFAULT_LOAD_FACTOR, DEFAULT_ACTIVE_WINDOW_S
+        self._max_workflows = MAX_REMEMBERED_WORKFLOWS
 
     def initialize_state(self, **kwargs) -> None:
         """Ray's kwargs, ``load_factor`` (at least 1; default 1: the ring owner takes a new
-        workflow unless it already holds its even share) and ``active_window_s``."""
+        workflow unless it already holds its even share), ``active_window_s`` and
+        ``max_workflows`` (the table's size bound)."""
         self._load_factor = float(kwargs.pop("load_factor", DEFAULT_LOAD_FACTOR))
         self._active_window_s = float(kwargs.pop("active_window_s", DEFAULT_ACTIVE_WINDOW_S))
-        if not self._load_factor >= 1 or not self._active_window_s > 0:
-            raise ValueError("load_factor must be at least 1 and active_window_s positive, got "
-                             f"{self._load_factor!r} and {self._active_window_s!r}")
+        self._max_workflows = int(kwargs.pop("max_workflows", MAX_REMEMBERED_WORKFLOWS))
+        if not self._load_factor >= 1 or not self._active_window_s > 0 or self._max_workflows < 1:
+            raise ValueError("load_factor must be at least 1, active_window_s positive and max_workflows at "
+                             f"least 1, got {self._load_factor!r}, {self._active_window_s!r} and "
+                             f"{self._max_workflows!r}")
         super().initialize_state(**kwargs)
         self._num_fallback_replicas = 1 << 20  # the ring walk lists every replica, in ring order
 
@@ -78,7 +95,7 @@ class WorkflowAffinityRouter(ConsistentHashRouter):
             placed = next((r for r in ring if load[r] + 1 <= bound), ring[0])
         self._placed[session_id] = (placed, now)
         self._placed.move_to_end(session_id)
-        while len(self._placed) > MAX_REMEMBERED_WORKFLOWS:
+        while len(self._placed) > self._max_workflows:
             self._placed.popitem(last=False)
         return placed
 
@@ -89,7 +106,7 @@ class WorkflowAffinityRouter(ConsistentHashRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # retry with backoff, not a busy loop
         session_id = pending_request.metadata.session_id if pending_request is not None else None
-        if not session_id:
+        if not session_id or not valid_session_id(session_id):
             return [candidate_replicas]  # one rank: the replica with the shortest queue wins
         replica = self.replica_for(session_id)
         return [[self._replicas[replica]]] if replica is not None else []

@@ -10,21 +10,27 @@ brings the deployment back to two replicas. Deselect with ``-m 'not ray'``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 
+import httpx
 import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.serve.exceptions import RayServeException
 from transformers import AutoTokenizer
 
 from kvshare.loopback import free_port
 from kvshare.random_adapters import random_adapter
 from kvshare.serve.config import EngineConfig
-from kvshare.serve.ray import EngineSpec, RayServeOptions, running_replicas, start, wait_healthy, workflow_id_of
+from kvshare.serve.ray import (APP_NAME, REPLICA_HEADER, EngineSpec, RayServeOptions, running_replicas, start,
+                               wait_healthy, workflow_id_of)
 from kvshare.serve.workflow import Agent, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from conftest import assert_one_line_error
 
@@ -209,3 +215,66 @@ def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spe
     with pytest.raises(KvshareError, match="max_model_len"):
         start(bad, RayServeOptions(replicas=1, threads_per_replica=1), port=free_port(), timeout_s=300)
     assert time.monotonic() - began < 300
+
+
+def metric(url: str, name: str) -> float:
+    """The replica's value of ``name`` (one replica: every /metrics is its)."""
+    found = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", httpx.get(url + "/metrics").text, re.M)
+    return float(found.group(1))
+
+
+def aborted(url: str) -> float:
+    return metric(url, "kvshare_aborted_total")
+
+
+async def leave_once_running(url: str, body: dict, headers: dict) -> None:
+    """Ask for a non-streamed completion and hang up once the replica runs it (it has sent
+    nothing yet: only the gateway can tell it the client left)."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        call = asyncio.ensure_future(client.post(url + "/v1/completions", json=body, headers=headers))
+        while not await asyncio.to_thread(metric, url, "vllm:num_requests_running"):
+            assert not call.done(), call.result().text
+            await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+
+
+def wait_for(condition, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.ray
+def test_the_gateway_checks_the_key_cancels_for_a_gone_client_and_ends_a_dead_replicas_stream(spec, cluster):
+    """On a real cluster: what the gateway's unit tests fake (tests/test_ray_gateway.py)."""
+    with contextlib.suppress(RayServeException):  # no Serve yet when this test runs alone
+        serve.delete(APP_NAME)  # an earlier test's app holds the CPUs
+    url = start(replace(spec, api_key="k"), RayServeOptions(replicas=1, threads_per_replica=1), port=free_port(),
+                timeout_s=180)
+    key = {"authorization": "Bearer k"}
+    long = {"model": spec.model, "prompt": "hello", "max_tokens": 500, "ignore_eos": True}  # seconds of steps
+
+    refused = httpx.post(url + "/v1/completions", json=long)  # never reached a replica: none named itself
+    assert refused.status_code == 401 and REPLICA_HEADER not in refused.headers, refused.headers
+    assert refused.json()["error"]["type"] == "authentication_error"
+
+    warm = httpx.post(url + "/v1/completions", json={**long, "max_tokens": 2}, headers=key, timeout=300)
+    assert warm.status_code == 200 and warm.headers[REPLICA_HEADER]  # prefill and decode steps compile once
+    before = aborted(url)  # a client that leaves mid-stream, then one that leaves before any reply
+    with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, headers=key,
+                      timeout=60) as reply:
+        next(reply.iter_lines())
+    asyncio.run(leave_once_running(url, long, key))
+    wait_for(lambda: aborted(url) >= before + 2)
+
+    with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, headers=key,
+                      timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KvshareEngine#{reply.headers[REPLICA_HEADER]}",
+                               namespace="serve"), no_restart=False)
+        events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 503, events[-3:]
