@@ -8,7 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite writes nothing outside the clone and its own temporary folders: kvshare's home (the
+# built C++ kernels, the pulled reference model) and the compilers' and plotting caches live in
+# the clone's .test-cache/ (kept between runs, ignored by git), unless the caller names others.
+_CACHE = Path(__file__).resolve().parent.parent / ".test-cache"
+for _name, _folder in (("KVSHARE_HOME", "kvshare"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                       ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "matplotlib")):
+    os.environ.setdefault(_name, str(_CACHE / _folder))
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter, which must be on before
@@ -20,8 +29,8 @@ if not torch.cuda.is_available():
 # eager unless a test asks for it (tests/test_compiled_step.py)
 os.environ.setdefault("KVSHARE_COMPILE", "off")
 
-from kvshare.cli import main
-from kvshare.testing import make_tiny_model
+from kvshare.cli import main  # noqa: E402
+from kvshare.testing import make_tiny_model  # noqa: E402
 
 # The engine exactness tests on another device or kernel backend: with KVSHARE_TEST_DEVICE=cuda
 # (and KVSHARE_TEST_KERNELS=triton) every engine a test builds without naming a device or a
