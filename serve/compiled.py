@@ -30,10 +30,12 @@ weights loads each bucket's graph instead of lowering it again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -281,6 +283,32 @@ def unpacked_int8(model: Model) -> bool:
     return any(isinstance(w, Int8Weight) and not w.packed_kernel for layer in model.layers for w in layer.values())
 
 
+def inductor_cache_dir() -> Path:
+    """Where Inductor writes the step's graphs: the user's ``TORCHINDUCTOR_CACHE_DIR``, else
+    under kvshare's home (see :class:`CompiledStep`)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(chosen) if chosen not in (None, default_cache_dir()) else kvshare_home() / "compile"
+
+
+def compiler_blocker() -> str | None:
+    """Why Inductor cannot build the step here, or None. torch (2.13) passes its include and
+    library folders and the cache's files to the C++ compiler unquoted, so any of them in a path
+    with white space (a venv in ``/tmp/kv ci``) fails every graph's compile."""
+    from torch.utils.cpp_extension import TORCH_LIB_PATH, include_paths
+
+    for path in (*include_paths(), TORCH_LIB_PATH, str(inductor_cache_dir())):
+        if any(char.isspace() for char in path):
+            return f"torch's compiler cannot build in a path with spaces ({path!r})"
+    return None
+
+
+@functools.cache
+def _warn_eager(reason: str) -> None:
+    log.warning("kvshare: the compiled CPU step is off: %s; steps run eager", reason)
+
+
 def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels) -> bool:
     """Whether an engine runs the compiled step: ``on`` asks for it (an error where it cannot
     run), ``auto`` takes it on CPU in float32 with the torch linear backend, and in bfloat16
@@ -289,11 +317,17 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
     linear = kernels.choice["linear"]
     mode = resolve_mode(mode)
     if mode == "auto":
-        return device.type == "cpu" and (
+        wanted = device.type == "cpu" and (
             (dtype == torch.float32 and linear == "torch")
             or (dtype == torch.bfloat16 and linear in ("torch", "int8", "int4") and cpu_has_fast_bf16()))
+        blocker = compiler_blocker() if wanted else None
+        if blocker:
+            _warn_eager(blocker)
+        return wanted and blocker is None
     if mode != "on" or device.type != "cpu":  # on a GPU, "on" asks for CUDA graphs (:mod:`.cuda_graphs`)
         return False
+    if compiler_blocker():
+        raise KvshareError(f"the compiled step cannot run here: {compiler_blocker()}")
     if linear not in ("torch", "int8", "int4"):
         raise KvshareError(f"the compiled step packs the weights itself; it does not combine with the "
                            f"{linear!r} linear backend")
@@ -309,12 +343,10 @@ class CompiledStep(BucketedStep):
     def __init__(self, model: Model, max_rows: int = DEFAULT_COMPILE_MAX_ROWS, max_loras: int = 8, max_lora_rank: int = 64):
         import torch._dynamo
         import torch._inductor.config
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         # Inductor writes its default into the environment when first asked; only a user's own
         # choice is kept
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kvshare_home() / "compile")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
         # every bucket and variant of every engine in the process is a recompile of the same code
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 # The suite writes nothing outside the clone and its own temporary folders: kvshare's home (the
-# built C++ kernels, the pulled reference model) and the compilers' and plotting caches live in
-# the clone's .test-cache/ (kept between runs, ignored by git), unless the caller names others.
+# built C++ kernels, compiled graphs, the pulled reference model), Triton's and matplotlib's caches live in
+# the clone's .test-cache/ (kept between runs, ignored by git), unless the caller names others;
+# every temporary file (pytest's, Inductor's headers, Ray's sessions, the sandbox's) goes into
+# one folder of the session's, removed at its end. Its name is short: Ray's socket paths must
+# stay under the kernel's 107 characters.
+_SESSION_TMP = tempfile.mkdtemp(prefix="kvt-")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = None  # computed again, from TMPDIR
 _CACHE = Path(__file__).resolve().parent.parent / ".test-cache"
-for _name, _folder in (("KVSHARE_HOME", "kvshare"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                       ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "matplotlib")):
+for _name, _folder in (("KVSHARE_HOME", "kvshare"), ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "matplotlib")):
     os.environ.setdefault(_name, str(_CACHE / _folder))
 
 import torch  # noqa: E402
@@ -120,3 +126,8 @@ def assert_one_line_error(result: CliResult, *fragments: str) -> None:
     assert errors[0].startswith("kvshare: error: "), result.err
     for fragment in fragments:
         assert fragment in errors[0], (fragment, errors[0])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)

@@ -11,7 +11,7 @@ from kvshare.kernels import Kernels
 from kvshare.kernels.cpu import extension
 from kvshare.kernels.quant import EXPAND_ROWS, INT4_GROUP, Int4Weight, _int4_block_n, int4_fits, quantize_int4
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.compiled import compile_wanted
+from kvshare.serve.compiled import compile_wanted, compiler_blocker
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -124,6 +124,7 @@ def test_int4_engine_equals_a_float_engine_on_the_dequantised_base(base, adapter
     assert [g["logprob"] for g in got] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
 
 
+@pytest.mark.skipif(compiler_blocker() is not None, reason=str(compiler_blocker()))
 def test_compiled_int4_step_scores_as_the_eager_one(base, adapters, tokenizer, monkeypatch):
     """--kernels int4 --dtype bfloat16 --compile on: Inductor's WOQ int4 GEMM reads the packed
     weights; every compiled step of a base / LoRA / ICaRus batch is also run eagerly (ATen's

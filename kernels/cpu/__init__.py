@@ -34,6 +34,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import shlex
 import threading
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def _build():
         digest = hashlib.sha256("\0".join((*sources, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
         folder = kvshare_home() / "ext" / f"cpu-{digest}"
         folder.mkdir(parents=True, exist_ok=True)
-        with _build_guard(folder):
+        with _build_guard(folder), _quoted_torch_lib_path():
             return load(name=f"kvshare_cpu_{digest}", sources=[str(path) for path in _SOURCES], build_directory=str(folder),
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
                         extra_ldflags=["-fopenmp"], verbose=False)
@@ -89,6 +90,20 @@ def _build():
         log.warning("kvshare: the C++ CPU kernels could not be built (%s); using the torch "
                     "references", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _quoted_torch_lib_path():
+    """torch (2.13) writes ``-L<torch/lib>`` unquoted into the ninja link command, so a venv in
+    a path with spaces (``/tmp/kv ci/.venv``) fails to link; quoted for the shell, it links."""
+    from torch.utils import cpp_extension
+
+    plain = cpp_extension.TORCH_LIB_PATH
+    cpp_extension.TORCH_LIB_PATH = shlex.quote(plain)
+    try:
+        yield
+    finally:
+        cpp_extension.TORCH_LIB_PATH = plain
 
 
 @contextlib.contextmanager
