@@ -159,7 +159,25 @@ def test_compile_takes_int4_with_bfloat16_activations(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("KVSHARE_COMPILE", "auto")
     monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(compiled_module, "compiler_blocker", lambda: None)  # the rule, wherever the clone lies
     assert compile_wanted("auto", cpu, torch.bfloat16, INT4)
     assert not compile_wanted("auto", cpu, torch.float32, INT4)
     with pytest.raises(KvshareError, match="bfloat16 activations"):
         compile_wanted("on", cpu, torch.float32, INT4)
+
+
+def test_a_path_with_spaces_turns_the_compiled_step_off_and_says_why(monkeypatch, tmp_path, caplog):
+    """torch's Inductor passes its cache's paths to the compiler unquoted: there, auto runs eager
+    (said once) and on is refused with the reason, instead of failing at every graph."""
+    import kvshare.serve.compiled as compiled_module
+    from kvshare.errors import KvshareError
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KVSHARE_COMPILE", "auto")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a cache"))
+    assert "spaces" in compiled_module.compiler_blocker()
+    with caplog.at_level("WARNING"):
+        assert not compile_wanted("auto", cpu, torch.float32, Kernels("torch"))
+    assert "compiled CPU step is off" in caplog.text
+    with pytest.raises(KvshareError, match="path with spaces"):
+        compile_wanted("on", cpu, torch.float32, Kernels("torch"))
