@@ -31,7 +31,9 @@ def _openmp_runtime() -> ctypes.CDLL | None:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: nothing to release
         return None
-    for path in dict.fromkeys(re.findall(r"(/\S*/lib(?:gomp|omp|iomp5)[^/\s]*\.so[^/\s]*)", maps)):
+    # a line's sixth field is the file, which may hold spaces (a venv in "/tmp/kv ci")
+    files = (line.split(maxsplit=5)[5] for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6)
+    for path in dict.fromkeys(f for f in files if re.search(r"/lib(?:gomp|omp|iomp5)[^/]*\.so[^/]*$", f)):
         try:
             lib = ctypes.CDLL(path)  # already loaded: this only opens a handle
         except OSError:
