@@ -353,9 +353,9 @@ def build_app(spec: EngineSpec, options: RayServeOptions) -> serve.Application:
     """The Ray Serve application: the gateway bound to ``options.replicas`` engine replicas."""
     router = RequestRouterConfig(request_router_class=WorkflowAffinityRouter) if options.affinity \
         else RequestRouterConfig()
-    actor = {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica,
-             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(options.threads),
-                                          "MKL_NUM_THREADS": str(options.threads)}}}
+    # no runtime_env: the replica sets its threads itself (KvshareEngine), and Ray starts the
+    # workers of a runtime_env through a shell command that breaks on a venv in a path with spaces
+    actor = {"num_cpus": options.num_cpus_per_replica, "num_gpus": options.num_gpus_per_replica}
     engine = serve.deployment(KvshareEngine, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas,
                               ray_actor_options=actor, request_router_config=router,
                               max_ongoing_requests=options.max_ongoing_requests or spec.limits.max_waiting,

@@ -49,6 +49,13 @@ def spec(tiny_models, tmp_path_factory) -> EngineSpec:
 
 
 @pytest.fixture(scope="module")
+def serve_port() -> int:
+    """One HTTP port for every test of the module: Serve keeps the proxy of its first start
+    ("New http_options will not be applied"), so a test starting on another port finds nothing."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def cluster():
     """Two simulated nodes with two CPUs each: one replica per node at first, and room for
     both on the head once the other node is gone."""
@@ -112,11 +119,11 @@ def test_ray_flags_need_ray_and_ray_needs_its_extra(cli, monkeypatch):
 
 
 @pytest.mark.ray
-def test_workflow_affinity_failover_and_control(spec, cluster):
+def test_workflow_affinity_failover_and_control(spec, cluster, serve_port):
     head_and_worker, worker = cluster
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
     began = time.monotonic()
-    port = free_port()
+    port = serve_port
     url = start(spec, RayServeOptions(replicas=2, threads_per_replica=1, affinity=True), port=port, timeout_s=180)
     deployed = time.monotonic()
     gateways = [actor["Address"]["NodeID"] for actor in ray._private.state.actors(actor_state_name="ALIVE").values()
@@ -200,7 +207,7 @@ def test_workflow_affinity_failover_and_control(spec, cluster):
 
 
 @pytest.mark.ray
-def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spec, cluster):
+def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spec, cluster, serve_port):
     """serve.run waited without a timeout for the app to run; when every replica's engine
     refuses its settings, Ray marks the app failed and kvshare says why in one line."""
     from dataclasses import replace
@@ -213,7 +220,7 @@ def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spe
     bad = replace(spec, config=EngineConfig(kv_cache_tokens=4096, max_model_len=10 ** 6))
     began = time.monotonic()
     with pytest.raises(KvshareError, match="max_model_len"):
-        start(bad, RayServeOptions(replicas=1, threads_per_replica=1), port=free_port(), timeout_s=300)
+        start(bad, RayServeOptions(replicas=1, threads_per_replica=1), port=serve_port, timeout_s=300)
     assert time.monotonic() - began < 300
 
 
@@ -247,11 +254,12 @@ def wait_for(condition, timeout_s: float = 60) -> None:
 
 
 @pytest.mark.ray
-def test_the_gateway_checks_the_key_cancels_for_a_gone_client_and_ends_a_dead_replicas_stream(spec, cluster):
+def test_the_gateway_checks_the_key_cancels_for_a_gone_client_and_ends_a_dead_replicas_stream(spec, cluster,
+                                                                                               serve_port):
     """On a real cluster: what the gateway's unit tests fake (tests/test_ray_gateway.py)."""
     with contextlib.suppress(RayServeException):  # no Serve yet when this test runs alone
         serve.delete(APP_NAME)  # an earlier test's app holds the CPUs
-    url = start(replace(spec, api_key="k"), RayServeOptions(replicas=1, threads_per_replica=1), port=free_port(),
+    url = start(replace(spec, api_key="k"), RayServeOptions(replicas=1, threads_per_replica=1), port=serve_port,
                 timeout_s=180)
     key = {"authorization": "Bearer k"}
     long = {"model": spec.model, "prompt": "hello", "max_tokens": 500, "ignore_eos": True}  # seconds of steps
