@@ -15,6 +15,19 @@ evaluate() {  # NAME [--adapter DIR]: held-out SQuAD F1/EM; per-item scores kept
   if [ -f "$out/samples.jsonl.gz" ] && [ ! -f "$out/samples.jsonl" ]; then gunzip -k "$out/samples.jsonl.gz"; fi
   kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
   gzip -kf "$out/samples.jsonl"
+  provenance "$out/provenance.json" kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
+}
+provenance() {  # FILE COMMAND...: the command, the commit, the machine and the versions of a result
+  python - "$@" <<'PY'
+import json, platform, subprocess, sys
+import torch, transformers, kvshare
+cpu = dict((k.strip(), v) for k, v in (line.split(":", 1) for line in open("/proc/cpuinfo") if line.startswith(("model name", "flags"))))
+commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+json.dump({"command": " ".join(sys.argv[2:]), "commit": commit, "cpu": cpu.get("model name", "").strip(),
+           "cpu_flags": cpu.get("flags", "").split(), "python": platform.python_version(),
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "kvshare": kvshare.__version__}}, open(sys.argv[1], "w"), indent=1)
+PY
 }
 for seed in ${SEEDS:-0 1 2}; do
   for kind in ${KINDS:-lora icarus alora}; do
@@ -26,6 +39,8 @@ for seed in ${SEEDS:-0 1 2}; do
       if [ -d "$run/checkpoints" ] && [ -n "$(ls -A "$run/checkpoints")" ]; then resume=(--resume); fi
       kvshare train "recipes/squad-$kind.yaml" "train.seed=$seed" "output_dir=$run" "${curve[@]}" "${resume[@]}"
       mkdir -p "$study/train/$kind-s$seed" && cp "$run/metrics.jsonl" "$study/train/$kind-s$seed/"
+      provenance "$study/train/$kind-s$seed/provenance.json" kvshare train "recipes/squad-$kind.yaml" "train.seed=$seed" \
+          "output_dir=$run" "${curve[@]}"
     fi
     if [[ $steps == *eval* ]] && [ -f "$run/adapter/kvshare.json" ]; then evaluate "$kind-s$seed" --adapter "$run/adapter"; fi
   done
