@@ -28,8 +28,8 @@ import numpy as np
 
 from ..errors import KvshareError
 from ..fsutil import write_text_atomic
+from . import samples_log
 
-HEADER_KEY = "kvshare_eval_log"  # harness.HEADER_KEY (not imported: the harness loads the engine)
 QA_MARKER = "\n\nAnswer the question with a short phrase from the text.\nQuestion:"  # train.data.qa_prompt's layout
 ALIASES = {"em": "exact_match", "pass@1": "passed", "accuracy": "flexible-extract"}
 CLUSTER_FIELDS = ("cluster", "context", "paragraph", "title", "task_id")  # "auto" takes the first present
@@ -70,24 +70,12 @@ def samples_path(run: str | Path) -> Path:
 
 
 def read_log(path: Path) -> tuple[dict, list[dict]]:
-    """The header (empty if none) and the records of a samples log, read only: a last line cut
-    short (a killed run) is left out, as a resumed run would regenerate it."""
-    lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    header, records = {}, []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise KvshareError(f"{path}: line {number} is not a JSON record") from None
-        if HEADER_KEY in record:
-            header = record
-        elif "id" not in record:
-            raise KvshareError(f"{path}: line {number} has no item 'id'")
-        elif record.get("scoring", header.get("scoring", 1)) == header.get("scoring", 1):
-            records.append(record)  # (a record judged under another rule is outside this run)
-    return header, records
+    """The header (empty if none) and the records of a log, read only (a last line cut short
+    by a killed run is left out): the records judged under the header's scoring rule."""
+    header, records = samples_log.read_log(path, repair=False)
+    header = header or {}
+    scoring = header.get("scoring", 1)
+    return header, [r for r in records.values() if r.get("scoring", scoring) == scoring]
 
 
 def _lookup(record: dict, metric: str):

@@ -29,9 +29,8 @@ from tqdm import tqdm
 from ..errors import KvshareError
 from ..fsutil import write_text_atomic
 from ..serve import LLM, LLMEngine, SamplingParams
+from .samples_log import HEADER_FORMAT, HEADER_KEY, read_log
 
-HEADER_KEY = "kvshare_eval_log"  # the header record's marker (its value: the header's format)
-HEADER_FORMAT = 1
 # task settings that choose which items run, not what an item's output is: a rerun with a
 # larger limit extends a log instead of being refused
 SELECTION = frozenset({"limit", "problems", "samples"})
@@ -141,45 +140,10 @@ def settings_diff(old: dict, new: dict) -> str:
     return ", ".join(parts) or "the settings hash"
 
 
-def _read_log(path: Path) -> tuple[dict | None, dict[str, dict]]:
-    """The header and finished samples of a log. A last line cut short (the run was killed
-    while writing it) is dropped from the file, so the sample is generated again and appended
-    cleanly; a broken line anywhere else means the log was damaged, and that is an error, not
-    something to skip."""
-    if not path.is_file():
-        return None, {}
-    text = path.read_text(encoding="utf-8")
-    tail = text.rpartition("\n")[2]  # what follows the last newline: "" unless the run was killed
-    if tail.strip():
-        try:
-            json.loads(tail)
-            text += "\n"  # written whole, the newline not yet
-        except json.JSONDecodeError:
-            text = text[: len(text) - len(tail)]
-        write_text_atomic(path, text)
-    header, records = None, {}
-    # split on newlines only: outputs may hold U+2028 or U+0085, which JSON leaves unescaped
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise KvshareError(f"{path}: line {number} is not a JSON record; move the file away to start over") from None
-        if HEADER_KEY in record:
-            if number != 1:
-                raise KvshareError(f"{path}: line {number} is a second header (logs were joined?); "
-                                   "move the file away to start over")
-            header = record
-        else:
-            records[record["id"]] = record
-    return header, records
-
-
 def logged_samples(path: str | Path) -> list[dict]:
     """The samples of a log in the order they were written, its header left out: for readers
     of ``samples.jsonl``."""
-    return list(_read_log(Path(path))[1].values())
+    return list(read_log(Path(path))[1].values())
 
 
 def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None = None) -> dict[str, dict]:
@@ -188,7 +152,7 @@ def _open_log(path: Path, settings: dict, overwrite: bool, task: EvalTask | None
     rewritten with the new verdicts (atomically; the outputs are kept)."""
     if overwrite:
         return {}
-    header, records = _read_log(path)
+    header, records = read_log(path)
     if header is None and not records:
         return {}
     settings = as_logged_base(header, settings)

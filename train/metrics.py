@@ -1,7 +1,7 @@
 """The training log (``metrics.jsonl``): one JSON record per logged step, appended.
 
 A run killed while appending leaves its last line cut short; that line is dropped, as the
-evaluation harness does for its logs (eval/harness.py ``_read_log``), and logged again after
+evaluation harness does for its logs (eval/samples_log.py ``read_log``), and logged again after
 resuming. A broken line anywhere else means the file was damaged: an error, never skipped.
 """
 
