@@ -20,7 +20,6 @@ and cancels the replica's request when its client leaves.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import re
@@ -37,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..errors import KvshareError
+from .api_key import authorized
 from .config import EngineConfig, ServerLimits
 from .hints import MAX_NAME
 from .ray_router import WorkflowAffinityRouter, valid_session_id
@@ -48,7 +48,6 @@ REPLICA_HEADER = "x-kvshare-replica"
 NODE_HEADER = "x-kvshare-node"
 SESSION_HEADER = "x-session-id"
 DONE = b"data: [DONE]\n\n"  # the last event of every server-sent event stream
-_GUARDED = frozenset({"/tokenize", "/detokenize"})  # the single server's: beside /v1/*, these need the key
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # every Ray head node has it (Ray Train pins its state actor so)
 
 
@@ -192,14 +191,6 @@ def workflow_id_of(headers, body: bytes) -> str | None:
 def _error(status: int, message: str, kind: str = "server_error") -> Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return Response(json.dumps(body), status_code=status, media_type="application/json")
-
-
-def authorized(path: str, headers: list[tuple[bytes, bytes]], expected: bytes | None) -> bool:
-    """The single server's key rule (:class:`.server._ApiKeyGuard`): ``Authorization: Bearer
-    KEY`` on /v1/* and ``_GUARDED``, compared in constant time; other paths are open."""
-    if expected is None or not (path.startswith("/v1/") or path in _GUARDED):
-        return True
-    return hmac.compare_digest(dict(headers).get(b"authorization", b""), expected)
 
 
 async def read_body(chunks: AsyncIterable[bytes], limit: int) -> bytes | None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import itertools
 import json
 import re
@@ -57,6 +56,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..errors import KvshareError
+from .api_key import authorized
 from .async_engine import AsyncEngine, Overloaded
 from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
 from .config import EngineConfig, ServerLimits
@@ -378,9 +378,6 @@ class _UnicodeCheckedRoute(APIRoute):
         return checked
 
 
-_GUARDED = frozenset({"/tokenize", "/detokenize"})  # beside /v1/*: /health, /metrics, /version stay open
-
-
 class _ApiKeyGuard:
     """Require ``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize (these read
     an adapter's names and training system prompt), compared in constant time.
@@ -393,11 +390,9 @@ class _ApiKeyGuard:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _GUARDED):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _error(401, "invalid API key", kind="authentication_error")(scope, receive, send)
-                return
+        if scope["type"] == "http" and not authorized(scope["path"], scope["headers"], self.expected):
+            await _error(401, "invalid API key", kind="authentication_error")(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

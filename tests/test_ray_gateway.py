@@ -121,9 +121,9 @@ def completion(**fields) -> bytes:
 
 
 def test_the_gateway_checks_the_api_key_before_any_replica_sees_the_request():
-    from kvshare.serve.server import _GUARDED
+    from kvshare.serve.api_key import GUARDED
 
-    for path in ["/v1/completions", "/v1/chat/completions", "/v1/models", *_GUARDED]:
+    for path in ["/v1/completions", "/v1/chat/completions", "/v1/models", *GUARDED]:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "secret"}):
             engine = FakeEngine()
             client = run(call(KvshareGateway(engine, True, 1 << 20, api_key="secret"), Client([b"{}"]), path,
