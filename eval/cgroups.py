@@ -95,9 +95,10 @@ def _make_folder(parent: Path, settings: dict[str, str]) -> Path | None:
 
 def _v2(memory_bytes: int, processes: int) -> Cgroup | None:
     mount = next((point for point, kind, _ in _mounts() if kind == "cgroup2"), None)
-    if mount is None or "" not in _own_paths():
+    own = _own_paths().get("")
+    if mount is None or own is None:
         return None
-    parent = Path(mount + _own_paths()[""])
+    parent = Path(mount + own)
     if not {"memory", "pids"} <= set(_read(parent / "cgroup.subtree_control").split()):
         return None  # enabling them would need an empty parent (v2's no-internal-process rule)
     folder = _make_folder(parent, {"memory.max": str(memory_bytes), "memory.swap.max": "0", "pids.max": str(processes)})

@@ -16,6 +16,7 @@ it is kept open, so there is no way back to it.
 
 import ctypes
 import os
+import shutil
 import stat
 import sys
 
@@ -105,22 +106,26 @@ def _writable(root: str, here: str, source: int, disk_bytes: int, uid: int) -> N
     _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},mode=0755")
     for path in (*SCRATCH, here):
         inner = stage + "/" + path.strip("/").replace("/", "_")
-        os.mkdir(inner, 0o755 if path == here else 0o1777)
-        os.chmod(inner, 0o755 if path == here else 0o1777)  # mkdir's mode passes through the umask
+        os.mkdir(inner)
+        os.chmod(inner, 0o755 if path == here else 0o1777)  # not mkdir's mode: it passes through the umask
         os.makedirs(root + path, exist_ok=True)
         _mount(inner, root + path, None, MS_BIND)
+    _copy_files(source, root + here, uid)
+    _check(_libc.umount2(stage.encode(), MNT_DETACH), "umount " + stage)
+    os.rmdir(stage)
+
+
+def _copy_files(source: int, folder: str, uid: int) -> None:
+    """The regular files of the folder ``source`` (links and the like skipped) copied into
+    ``folder``, which and whose files then belong to ``uid`` (>= 0)."""
     for name in os.listdir(source):
         with os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=source), "rb") as src:
-            if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
-                continue
-            with open(root + here + "/" + name, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-    for path in [root + here, *(root + here + "/" + name for name in os.listdir(root + here))]:
-        if uid >= 0:
+            if stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                with open(f"{folder}/{name}", "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    if uid >= 0:
+        for path in [folder, *(f"{folder}/{name}" for name in os.listdir(folder))]:
             os.chown(path, uid, uid)
-    _check(_libc.umount2((stage).encode(), MNT_DETACH), "umount " + stage)
-    os.rmdir(stage)
 
 
 def _devices(root: str) -> list:

@@ -326,10 +326,15 @@ def _wait_then_kill_all(proc: subprocess.Popen, timeout: float, uid: int,
             kill_uid(uid)
 
 
+@functools.cache
+def _jail_source() -> str:
+    return JAIL_SOURCE.read_text()
+
+
 def jail_prelude(uid: int, disk_bytes: int, extra: list[str]) -> str:
     """Python that turns a process started by :func:`unshare_argv` into a jailed one."""
     settings = {"uid": uid, "disk_bytes": disk_bytes, "extra": extra}
-    return JAIL_SOURCE.read_text() + f"\nenter({settings!r})\ndel enter\n"
+    return _jail_source() + f"\nenter({settings!r})\ndel enter\n"
 
 
 def kill_uid(uid: int) -> None:
