@@ -65,7 +65,7 @@ def test_missing_subcommand_is_a_usage_error(cli):
 def test_regular_wheel_install_imports_every_subsystem(tmp_path):
     """A normal (non-editable) install: build the wheel, unpack it, import from it alone."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
          "-w", str(tmp_path / "dist"), str(ROOT)],
         capture_output=True, text=True, timeout=300,
     )
