@@ -32,7 +32,8 @@ PY
 for seed in ${SEEDS:-0 1 2}; do
   for kind in ${KINDS:-lora icarus alora}; do
     run=runs/squad-$kind-s$seed
-    if [[ $steps == *train* ]] && [ ! -f "$run/adapter/kvshare.json" ]; then
+    scored=$study/evals/$kind-s$seed/results.json  # a scored run is not trained again (runs/ is not committed)
+    if [[ $steps == *train* ]] && [ ! -f "$run/adapter/kvshare.json" ] && [ ! -f "$scored" ]; then
       curve=()  # LoRA's first seed is scored every 44 steps on 120 held-out questions: its learning curve
       if [ "$kind-$seed" = lora-0 ]; then curve=(train.eval_every=44 train.eval_task=f1-squad train.eval_limit=120); fi
       resume=()
