@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
-import shlex
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import numpy as np
 
 from ..errors import KvshareError
 from ..fsutil import write_text_atomic
+from ..provenance import provenance as shared_provenance
 from . import samples_log
 
 QA_MARKER = "\n\nAnswer the question with a short phrase from the text.\nQuestion:"  # train.data.qa_prompt's layout
@@ -428,42 +426,7 @@ def plot(result: dict, path: Path) -> None:
 
 def provenance(argv: list[str]) -> dict:
     """What reproduces the report: the command, kvshare's commit, the machine, the versions."""
-    import matplotlib
-    import scipy
-
-    from .. import __version__
-
-    return {"command": shlex.join(["kvshare", "eval", "compare", *argv]), "kvshare": __version__,
-            "kvshare_commit": _git_commit(), "cpu": _cpu_model(), "python": platform.python_version(),
-            "packages": {"numpy": np.__version__, "scipy": scipy.__version__, "matplotlib": matplotlib.__version__}}
-
-
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                          check=True).stdout.strip()
-
-
-def _git_commit() -> str | None:
-    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), None
-    where kvshare is not run from a git checkout (an installed wheel)."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return None
-    try:
-        return _git(root, "rev-parse", "HEAD") + ("-dirty" if _git(root, "status", "--porcelain",
-                                                                      "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return shared_provenance(["kvshare", "eval", "compare", *argv], packages=("numpy", "scipy", "matplotlib"))
 
 
 def _jsonable(value):

@@ -162,8 +162,8 @@ def test_the_report_files_and_their_provenance(tmp_path, cli):
     assert report["bootstrap"] == {"replicates": 2000, "seed": 7} and report["unit"].startswith("points")
     prov = report["provenance"]
     assert prov["command"].startswith("kvshare eval compare ") and "--seed 7" in prov["command"]
-    assert prov["cpu"] and prov["python"] and set(prov["packages"]) == {"numpy", "scipy", "matplotlib"}
-    assert "kvshare_commit" in prov
+    assert prov["cpu"] and prov["python"] and set(prov["versions"]) == {"numpy", "scipy", "matplotlib"}
+    assert "commit" in prov and isinstance(prov["cpu_flags"], list)
     again = run_cli(cli, tmp_path / "lora", tmp_path / "icarus", "--seed", "7")
     assert again.out == result.out  # seeded: the same intervals
 

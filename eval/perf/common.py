@@ -13,6 +13,7 @@ import torch
 
 from ...errors import KvshareError
 from ...fsutil import write_text_atomic
+from ...provenance import provenance, this_command
 from ...models import resolve_model_dir
 from ...serve.engine import LLMEngine, RequestOutput
 from ...serve.sampling import SamplingParams
@@ -72,8 +73,10 @@ def engine_decode_rate(llm, prompts: list[list[int]], new: int, adapter: str | N
 
 
 def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callable[[dict], str]) -> None:
-    """``out_dir/stem.json`` (the figures) and ``out_dir/stem.md`` (the table people read)."""
+    """``out_dir/stem.json`` (the figures, with their provenance) and ``out_dir/stem.md`` (the
+    table people read)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    results.setdefault("provenance", provenance(this_command()))  # command, commit, machine, versions
     write_text_atomic(out / f"{stem}.json", json.dumps(results, indent=1))  # never a half-written report
     write_text_atomic(out / f"{stem}.md", markdown(results))
