@@ -40,6 +40,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .harness import require_adapter_dir
 
     require_adapter_dir(args.adapter)  # now, not after the data and the model load
+    fast_path = {"kernels": args.kernels, "compile": args.compile}
     if args.task in ("humaneval", "humanevalplus", "mbpp", "suite"):
         from . import sandbox
 
@@ -51,12 +52,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         evaluate_gsm8k(args.model, args.adapter, args.out, limit=args.limit, shots=args.shots, batch=args.batch,
                        prompt_format=args.prompt_format, dtype=args.dtype, max_tokens=args.max_tokens or 256,
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, **fast_path)
     elif args.task == "f1":
         from .qa import evaluate_f1
 
         evaluate_f1(args.model, args.adapter, args.out, dataset=args.dataset, limit=args.limit, batch=args.batch,
-                    dtype=args.dtype, max_tokens=args.max_tokens or 32, overwrite=args.overwrite)
+                    dtype=args.dtype, max_tokens=args.max_tokens or 32, overwrite=args.overwrite, **fast_path)
     elif args.task == "suite":
         from .suite import run_suite
 
@@ -76,7 +77,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         task = code_task(args.task, limit=args.limit, samples=args.samples, temperature=args.temperature,
                          max_tokens=args.max_tokens or 512)
         evaluate(task, args.model, args.adapter, args.out, batch=args.batch, dtype=args.dtype,
-                 overwrite=args.overwrite)
+                 overwrite=args.overwrite, **fast_path)
     print((Path(args.out) / "results.md").read_text(), end="")
     return 0
 
@@ -605,6 +606,11 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="code: sampling temperature (0 = greedy)")
     p.add_argument("--max-tokens", type=int, help="generation length (default: gsm8k 256, f1 32, code 512)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kernels", default="auto", help="the engine's kernel backends, e.g. int8, int4,cpu (default "
+                   "auto: the device's fast path); a named one is part of the run's settings, so its quality "
+                   "can be compared with the default's (kvshare eval compare)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="the compiled CPU step (default auto); on/off are part of the run's settings")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true",
@@ -614,7 +620,7 @@ def register(sub) -> None:
                    help="code: where no sandbox (Linux namespaces) can be built, run the generated programs "
                    "unjailed, with this user's rights, network and files (default: refuse)")
     spec_decides = ("model", "adapter", "limit", "shots", "prompt_format", "dataset", "samples", "temperature",
-                    "max_tokens", "dtype", "batch")  # a suite's spec says these
+                    "max_tokens", "dtype", "batch", "kernels", "compile")  # a suite's spec says these
     p.set_defaults(func=_cmd_eval, spec_decides={name: p.get_default(name) for name in spec_decides})
 
     p = sub.add_parser("lm-eval", help="run lm-eval with the kvshare model registered",

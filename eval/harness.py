@@ -79,11 +79,11 @@ def require_adapter_dir(adapter: str | None) -> None:
         raise KvshareError(f"{adapter}: no such adapter folder")
 
 
-def load_llm(model: str, adapter: str | None, dtype: str = "float32",
-             kv_cache_tokens: int = 32768, device: str = "cpu") -> tuple[LLM, str | None]:
+def load_llm(model: str, adapter: str | None, dtype: str = "float32", kv_cache_tokens: int = 32768,
+             device: str = "cpu", kernels: str = "auto", compile: str = "auto") -> tuple[LLM, str | None]:
     """An engine with the adapter (folder) loaded; returns it and the adapter's name."""
     require_adapter_dir(adapter)
-    llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype, device=device)
+    llm = LLM(model, kv_cache_tokens=kv_cache_tokens, dtype=dtype, device=device, kernels=kernels, compile=compile)
     name = llm.engine.load_adapter(adapter) if adapter else None
     return llm, name
 
@@ -111,10 +111,18 @@ def settings_hash(settings: dict) -> str:
 
 
 def engine_settings(llm: LLM, task: EvalTask, adapter: str | None) -> dict:
-    """:func:`run_settings` of an adapter (None = the base) loaded in ``llm``."""
+    """:func:`run_settings` of an adapter (None = the base) loaded in ``llm``; a fast path
+    asked for by name (``kernels``, ``compile`` other than auto) is part of the settings, so its
+    outputs never mix with the default path's in one log."""
     engine = llm.engine
     digest = engine.adapter(adapter).digest if adapter else None
-    return run_settings(task, engine.model_name, engine.fingerprint, adapter, digest, engine.config.dtype)
+    settings = run_settings(task, engine.model_name, engine.fingerprint, adapter, digest, engine.config.dtype)
+    return {**settings, **{k: v for k, v in fast_path(engine.config).items() if v != "auto"}}
+
+
+def fast_path(config) -> dict:
+    """The kernels and compile settings an engine was asked for (``auto`` where not named)."""
+    return {"kernels": config.kernels, "compile": config.compile}
 
 
 def _header(settings: dict, scoring: int = 1) -> dict:
@@ -268,9 +276,10 @@ def score(task: EvalTask, samples: list[dict], out_dir: Path, model: str, adapte
 
 
 def evaluate(task: EvalTask, model: str, adapter: str | None, out_dir: str | Path, batch: int = 8,
-             dtype: str = "float32", overwrite: bool = False, device: str = "cpu") -> dict:
+             dtype: str = "float32", overwrite: bool = False, device: str = "cpu", kernels: str = "auto",
+             compile: str = "auto") -> dict:
     """One task, one adapter (a folder or None for the base), a fresh engine."""
-    llm, name = load_llm(model, adapter, dtype=dtype, device=device)
+    llm, name = load_llm(model, adapter, dtype=dtype, device=device, kernels=kernels, compile=compile)
     out_dir = Path(out_dir)
     samples = run_samples(llm, task, {name: out_dir}, batch, overwrite)[name]
     return score(task, samples, out_dir, model, adapter, engine_settings(llm, task, name), {"dtype": dtype})

@@ -161,6 +161,21 @@ def test_f1_on_held_out_qa(tmp_path):
     assert result["f1"]["n"] == 2 and (tmp_path / "out" / "results.md").read_text().startswith("| f1-squad |")
 
 
+def test_a_named_fast_path_is_part_of_the_runs_settings(tmp_path):
+    """`kvshare eval --kernels/--compile`: a run through a fast path asked for by name never
+    resumes the default path's log (their outputs differ in rounding), and says what it ran."""
+    from kvshare.testing import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "long-context", max_position_embeddings=4096)
+    default = evaluate_f1(str(model), None, tmp_path / "default", dataset="squad", limit=2, max_tokens=4)
+    assert "compile" not in default["settings"] and "kernels" not in default["settings"]  # old logs still match
+    eager = evaluate_f1(str(model), None, tmp_path / "eager", dataset="squad", limit=2, max_tokens=4,
+                        kernels="torch", compile="off")
+    assert eager["settings"]["compile"] == "off" and eager["settings"]["kernels"] == "torch"
+    with pytest.raises(KvshareError, match="compile"):
+        evaluate_f1(str(model), None, tmp_path / "eager", dataset="squad", limit=2, max_tokens=4)
+
+
 def test_samples_judged_by_an_older_rule_are_judged_again_on_resume(tmp_path):
     """A log from before HotpotQA's yes/no rule: resuming it keeps the outputs and judges them
     again, so one score never mixes two scoring rules; the log says which rule judged it."""
