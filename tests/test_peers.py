@@ -127,7 +127,7 @@ def test_a_peer_that_dies_while_starting_is_one_clear_error(tmp_path):
 def test_vllm_engine_probe_command_and_its_arguments(tmp_path):
     command = vllm_engine_probe_command(tmp_path / "venv", tmp_path / "probe.py", tmp_path / "model", "bfloat16",
                                         tmp_path / "prompts.json", 64, 4160, 4096)
-    assert command[:2] == [str(tmp_path / "venv" / "bin" / "python"), str(tmp_path / "probe.py")]
+    assert command[:3] == [str(tmp_path / "venv" / "bin" / "python"), "-P", str(tmp_path / "probe.py")]
     joined = " ".join(command)
     for part in (f"--model {tmp_path / 'model'}", "--dtype bfloat16", f"--prompts {tmp_path / 'prompts.json'}",
                  "--new-tokens 64", "--max-model-len 4160", "--max-num-batched-tokens 4096"):
@@ -153,9 +153,11 @@ def test_the_probe_imports_no_kvshare_and_runs_only_as_main(probe, engine):
 
 FAKE_PROBE = '''
 import json, os, sys
-args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+assert sys.argv[1] == "-P", sys.argv  # as python: the probe's folder and the cwd stay off the path
+argv = sys.argv[2:]
+args = dict(zip(argv[1::2], argv[2::2]))
 prompts = json.load(open(args["--prompts"]))
-seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "prompts": prompts,
+seen = {"argv": argv, "cwd": os.getcwd(), "prompts": prompts,
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
                                                "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "VLLM_LOGGING_STREAM")}}
 json.dump(seen, open(os.environ["FAKE_PROBE_SEEN"], "w"))
@@ -197,6 +199,7 @@ def test_engine_bench_merges_the_vllm_peer_figures(tmp_path, tiny_models, monkey
     kept = tmp_path / "out" / "vllm-engine-probe"  # beside the report: what vLLM was given, and its log
     assert json.loads((kept / "prompts.json").read_text()) == prompts
     assert "a log line on stderr" in (kept / "vllm-engine-probe.log").read_text()
+    assert not list((tmp_path / "out").rglob("*.py"))  # no copy of package code in a results folder
 
 
 def test_a_failing_vllm_probe_is_one_clear_error(tmp_path, tiny_models, cli):
@@ -318,7 +321,7 @@ def test_a_gguf_that_does_not_match_the_pull_is_refused(tmp_path, monkeypatch):
 def test_llamacpp_engine_probe_command_and_its_arguments(tmp_path):
     command = llamacpp_engine_probe_command(tmp_path / "venv", tmp_path / "probe.py", tmp_path / "m.gguf",
                                             tmp_path / "prompts.json", 64, 2)
-    assert command == [str(tmp_path / "venv" / "bin" / "python"), str(tmp_path / "probe.py"),
+    assert command == [str(tmp_path / "venv" / "bin" / "python"), "-P", str(tmp_path / "probe.py"),
                        "--gguf", str(tmp_path / "m.gguf"), "--prompts", str(tmp_path / "prompts.json"),
                        "--new-tokens", "64", "--threads", "2"]
     # the probe parses exactly these options, with no llama_cpp (imported inside main) and no kvshare
@@ -331,9 +334,11 @@ def test_llamacpp_engine_probe_command_and_its_arguments(tmp_path):
 
 FAKE_LLAMACPP_PROBE = """
 import json, os, sys
-args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+assert sys.argv[1] == "-P", sys.argv  # as python: the probe's folder and the cwd stay off the path
+argv = sys.argv[2:]
+args = dict(zip(argv[1::2], argv[2::2]))
 prompts = json.load(open(args["--prompts"]))
-seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "prompts": prompts, "omp": os.environ.get("OMP_NUM_THREADS")}
+seen = {"argv": argv, "cwd": os.getcwd(), "prompts": prompts, "omp": os.environ.get("OMP_NUM_THREADS")}
 json.dump(seen, open(os.environ["FAKE_PROBE_SEEN"], "w"))
 print("llama_model_loader: a log line on stderr", file=sys.stderr)
 figures = {"engine": "llama.cpp", "version": "0.3.36", "weights": "Q4_1", "model": "llama ?B Q4_1",
@@ -379,6 +384,7 @@ def test_engine_bench_merges_the_llamacpp_peer_figures(tmp_path, tiny_models, mo
     kept = tmp_path / "out" / "llamacpp-engine-probe"
     assert json.loads((kept / "prompts.json").read_text()) == prompts
     assert "a log line on stderr" in (kept / "llamacpp-engine-probe.log").read_text()
+    assert not list((tmp_path / "out").rglob("*.py"))
 
 
 def test_a_failing_llamacpp_probe_is_one_clear_error(tmp_path, tiny_models, cli, monkeypatch):

@@ -188,7 +188,7 @@ PROBE = Path(__file__).with_name("vllm_engine_probe.py")  # imports vLLM only, n
 def vllm_engine_probe_command(venv: Path, probe: Path, model_dir: Path, dtype: str, prompts_file: Path,
                               new_tokens: int, max_model_len: int, max_num_batched_tokens: int) -> list[str]:
     """The peer venv's python running the engine-bench probe (:mod:`.vllm_engine_probe`)."""
-    return [str(Path(venv) / "bin" / "python"), str(probe), "--model", str(model_dir), "--dtype", dtype,
+    return [str(Path(venv) / "bin" / "python"), "-P", str(probe), "--model", str(model_dir), "--dtype", dtype,
             "--prompts", str(prompts_file), "--new-tokens", str(new_tokens), "--max-model-len", str(max_model_len),
             "--max-num-batched-tokens", str(max_num_batched_tokens)]
 
@@ -202,19 +202,18 @@ def run_vllm_engine_probe(venv: Path, model_dir: Path, dtype: str, prompts: dict
     command = vllm_engine_probe_command(venv, probe, model_dir, dtype, prompts_file, new_tokens, max_model_len,
                                         max_num_batched_tokens)
     env = vllm_env(threads, kv_cache_gib) | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout: the JSON line
-    return _run_probe("vLLM", command, env, probe.parent / "vllm-engine-probe.log", timeout)
+    return _run_probe("vLLM", command, env, prompts_file.parent / "vllm-engine-probe.log", timeout)
 
 
 def _probe_workdir(probe: Path, prompts: dict, workdir: Path) -> tuple[Path, Path]:
-    """The probe copied into ``workdir``, and the prompts written there. It runs from there:
-    run from a kvshare checkout (or from ``eval/perf``, which Python would put first on the
-    path) our folders would shadow imports. Absolute paths: the probe runs with ``workdir`` as
-    its current folder, where a relative ``--out`` would not resolve."""
+    """The probe (run in place with ``python -P``, so neither its folder nor ``workdir`` is put
+    on the path, where our modules would shadow the peer's imports; never copied into a results
+    folder) and the prompts written into ``workdir``, the probe's current folder. Absolute
+    paths: a relative ``--out`` would not resolve from there."""
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(probe, workdir / probe.name)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
-    return workdir / probe.name, workdir / "prompts.json"
+    return probe.resolve(), workdir / "prompts.json"
 
 
 def _run_probe(what: str, command: list[str], env: dict[str, str], log: Path, timeout: float) -> dict:
@@ -317,7 +316,7 @@ def llamacpp_gguf(model_dir: Path) -> Path:
 def llamacpp_engine_probe_command(venv: Path, probe: Path, gguf: Path, prompts_file: Path, new_tokens: int,
                                   threads: int) -> list[str]:
     """The peer venv's python running the engine-bench probe (:mod:`.llamacpp_engine_probe`)."""
-    return [str(Path(venv) / "bin" / "python"), str(probe), "--gguf", str(gguf), "--prompts", str(prompts_file),
+    return [str(Path(venv) / "bin" / "python"), "-P", str(probe), "--gguf", str(gguf), "--prompts", str(prompts_file),
             "--new-tokens", str(new_tokens), "--threads", str(threads)]
 
 
@@ -327,4 +326,4 @@ def run_llamacpp_engine_probe(venv: Path, gguf: Path, prompts: dict, new_tokens:
     probe, prompts_file = _probe_workdir(LLAMACPP_PROBE, prompts, workdir)
     command = llamacpp_engine_probe_command(venv, probe, gguf, prompts_file, new_tokens, threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    return _run_probe("llama.cpp", command, env, probe.parent / "llamacpp-engine-probe.log", timeout)
+    return _run_probe("llama.cpp", command, env, prompts_file.parent / "llamacpp-engine-probe.log", timeout)
