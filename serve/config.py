@@ -30,7 +30,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kernels: str = "auto"  # kernel backends ("auto": the device's fast path; "torch": the references)
-    compile: str = "auto"  # the compiled CPU step: auto (CPU, float32, torch linears) | on | off
+    compile: str = "auto"  # the compiled CPU step: auto (CPU: float32, or bfloat16 where the CPU has bf16 instructions) | on | off
     compile_max_rows: int = DEFAULT_COMPILE_MAX_ROWS  # the compiled step's largest bucket; larger steps (prefill chunks) run eager
     max_loras: int = 8  # adapters one compiled step holds in its LoRA slots (vLLM's name); any number may be loaded
     max_lora_rank: int = 64  # the largest adapter rank those stacks take; higher ranks run eager

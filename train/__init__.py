@@ -1,1 +1,1 @@
-"""kvshare.train: ICaRus, aLoRA and LoRA trainers driven by YAML recipes (see the trainers issue)."""
+"""kvshare.train: ICaRus, aLoRA and LoRA trainers driven by YAML recipes."""

@@ -1,4 +1,4 @@
-"""``kvshare bench forkkv-quality``: what sharing LoRA agents' K/V costs in answers (issue 16 item 5).
+"""``kvshare bench forkkv-quality``: what sharing LoRA agents' K/V costs in answers (the ForkKV paper's Table 2).
 
 N lora agents take turns over one shared context: for each example every agent answers the
 same QA prompt (HotpotQA distractor or held-out SQuAD, the prompts and F1 of
