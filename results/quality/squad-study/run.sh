@@ -6,11 +6,14 @@
 # interrupted training resumes from its last checkpoint. Run from the repo root, alone:
 #   KVSHARE_DATA=../shared/data bash results/quality/squad-study/run.sh
 # STEPS=train,eval,compare picks parts; SEEDS / KINDS pick runs (default 0 1 2 / lora icarus alora).
+# Follow-ups, not part of the pre-registered comparison: STEPS=fastpath (seed 0's adapters through
+# bfloat16, int8, int4 and the eager step, each against its float32 run) and STEPS=forkkv
+# (kvshare bench forkkv-quality over the LoRA seeds; N=4 needs a fourth: SEEDS=3 KINDS=lora STEPS=train,eval).
 set -euo pipefail
 study=results/quality/squad-study
 steps=${STEPS:-train,eval,compare}
-evaluate() {  # NAME [--adapter DIR]: held-out SQuAD F1/EM; per-item scores kept as samples.jsonl.gz
-  local out=$study/evals/$1; shift
+evaluate() {  # FOLDER [--adapter DIR] [flags]: held-out SQuAD F1/EM; per-item scores kept as samples.jsonl.gz
+  local out=$study/$1; shift  # float32 unless the flags say otherwise (argparse: the last --dtype wins)
   if [ -f "$out/results.json" ]; then return; fi
   if [ -f "$out/samples.jsonl.gz" ] && [ ! -f "$out/samples.jsonl" ]; then gunzip -k "$out/samples.jsonl.gz"; fi
   kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
@@ -18,16 +21,7 @@ evaluate() {  # NAME [--adapter DIR]: held-out SQuAD F1/EM; per-item scores kept
   provenance "$out/provenance.json" kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
 }
 provenance() {  # FILE COMMAND...: the command, the commit, the machine and the versions of a result
-  python - "$@" <<'PY'
-import json, platform, subprocess, sys
-import torch, transformers, kvshare
-cpu = dict((k.strip(), v) for k, v in (line.split(":", 1) for line in open("/proc/cpuinfo") if line.startswith(("model name", "flags"))))
-commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-json.dump({"command": " ".join(sys.argv[2:]), "commit": commit, "cpu": cpu.get("model name", "").strip(),
-           "cpu_flags": cpu.get("flags", "").split(), "python": platform.python_version(),
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "kvshare": kvshare.__version__}}, open(sys.argv[1], "w"), indent=1)
-PY
+  python -m kvshare.provenance "$@"
 }
 for seed in ${SEEDS:-0 1 2}; do
   for kind in ${KINDS:-lora icarus alora}; do
@@ -43,10 +37,10 @@ for seed in ${SEEDS:-0 1 2}; do
       provenance "$study/train/$kind-s$seed/provenance.json" kvshare train "recipes/squad-$kind.yaml" "train.seed=$seed" \
           "output_dir=$run" "${curve[@]}"
     fi
-    if [[ $steps == *eval* ]] && [ -f "$run/adapter/kvshare.json" ]; then evaluate "$kind-s$seed" --adapter "$run/adapter"; fi
+    if [[ $steps == *eval* ]] && [ -f "$run/adapter/kvshare.json" ]; then evaluate "evals/$kind-s$seed" --adapter "$run/adapter"; fi
   done
 done
-if [[ $steps == *eval* ]]; then evaluate base; fi
+if [[ $steps == *eval* ]]; then evaluate evals/base; fi
 if [[ $steps == *compare* ]]; then
   systems=()
   for kind in lora icarus alora; do
@@ -55,4 +49,21 @@ if [[ $steps == *compare* ]]; then
   done
   kvshare eval compare "${systems[@]}" "base=$study/evals/base" --reference lora --base base --margin 3 \
       --out "$study/compare"
+fi
+if [[ $steps == *fastpath* ]]; then  # the fast paths' quality cost on the same items, paired to float32
+  for kind in lora icarus alora; do
+    run=runs/squad-$kind-s0
+    if [ ! -f "$run/adapter/kvshare.json" ]; then echo "fastpath: no $run/adapter (train it first)"; continue; fi
+    evaluate "fastpath/$kind-s0-bfloat16" --adapter "$run/adapter" --dtype bfloat16
+    evaluate "fastpath/$kind-s0-int8" --adapter "$run/adapter" --dtype bfloat16 --kernels int8,cpu
+    evaluate "fastpath/$kind-s0-int4" --adapter "$run/adapter" --dtype bfloat16 --kernels int4,cpu
+    evaluate "fastpath/$kind-s0-eager" --adapter "$run/adapter" --compile off
+    kvshare eval compare "float32=$study/evals/$kind-s0" "bfloat16=$study/fastpath/$kind-s0-bfloat16" \
+        "int8=$study/fastpath/$kind-s0-int8" "int4=$study/fastpath/$kind-s0-int4" \
+        "eager=$study/fastpath/$kind-s0-eager" --reference float32 --margin 3 --out "$study/fastpath/compare-$kind"
+  done
+fi
+if [[ $steps == *forkkv* ]]; then  # ForkKV and full reuse against exact caching, all 623 questions
+  adapters=$(ls -d runs/squad-lora-s*/adapter 2>/dev/null | head -4)
+  kvshare bench forkkv-quality --adapters $adapters --tasks squad --agents 2 4 --limit 623 --out "$study/forkkv"
 fi
