@@ -62,8 +62,8 @@ from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
 from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
-from .lora_scope import RuntimeLoraScope, StartupAdapterLocked
-from .metrics import ServerMetrics
+from .http.lora_scope import RuntimeLoraScope, StartupAdapterLocked
+from .http.metrics import ServerMetrics
 from .sampling import SamplingParams
 
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP layer over the engine (``kvshare serve``)."""
