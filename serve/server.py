@@ -37,423 +37,35 @@ import asyncio
 import functools
 import itertools
 import json
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..errors import KvshareError
-from .api_key import authorized
 from .async_engine import AsyncEngine, Overloaded
 from .colocate import Colocation, ModelSpec, UnknownModel, build_colocation
 from .config import EngineConfig, ServerLimits
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
+from .http.errors import ApiError, error_response
+from .http.limits import check_context, check_in_vocabulary, check_limits, check_prompt, check_scored
+from .http.middleware import ApiKeyGuard, BodyLimit, UnicodeCheckedRoute
+from .http.protocol import (ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, LoadLoraRequest,
+                            TokenizeRequest, UnloadLoraRequest)
 from .http.lora_scope import RuntimeLoraScope, StartupAdapterLocked
 from .http.metrics import ServerMetrics
 from .sampling import SamplingParams
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` ends the stream with a usage chunk."""
-
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool | None = True  # vLLM's default: stream_options {} asks for the usage chunk
-    continuous_usage_stats: bool | None = None  # vLLM's; refused when true (not implemented)
-
-
-class _OpenAIRequest(BaseModel):
-    """Unknown fields are refused (as OpenAI does); OpenAI's own optional fields are accepted
-    and ignored when they are at their neutral values."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None  # left out: the first served base (vLLM 0.8+)
-    # left out: the model's generation_config.json (--generation-config auto), else off (1.0 / 1.0 / off)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 = off; at most the vocabulary
-    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
-    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension: over the prompt and the output
-    n: int = Field(1, ge=1)  # choices per prompt, at most ServerLimits.max_n
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's per-tenant prefix-cache salt
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past the end-of-sequence token
-    stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end a choice, as the EOS does
-    kvshare_hints: dict | None = None  # agent hints (serve/hints.py), e.g. {"workflow_id": ..., "agent_id": ...}
-    # OpenAI's own optional fields, accepted and ignored at their neutral values
-    user: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
-    metadata: dict | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    # vLLM's own fields: implemented ...
-    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays in the text
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: the context)
-    request_id: str | None = Field(None, min_length=1, max_length=256)  # names the reply's id, as in vLLM
-    min_tokens: int = Field(0, ge=0)  # no end-of-sequence, stop token or stop string ends a choice before these
-    allowed_token_ids: list[int] | None = None  # sample only among these token ids
-    # ... or accepted at vLLM's defaults (VLLM_DEFAULTS); another value is a 400 that names it
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    priority: int = 0
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    return_tokens_as_token_ids: bool = False
-    bad_words: list[str] | None = None
-
-    KEEP_NULL: ClassVar[tuple[str, ...]] = ()  # fields where null means something else than the default
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data):
-        """OpenAI's optional fields are "X or null"; null asks for the default, as in vLLM."""
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k in cls.KEEP_NULL}
-
-    VLLM_DEFAULTS: ClassVar[dict[str, Any]] = {
-        "skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
-        "use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False, "bad_words": None}
-
-    def check_neutral(self) -> None:
-        for name, default in self.VLLM_DEFAULTS.items():
-            value = getattr(self, name)
-            if value != default and not (default is None and value == []):
-                raise ApiError(400, f"{name}={value!r} is not supported by kvshare (only vLLM's default, "
-                               f"{default!r})", param=name)
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name} is not supported", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise ApiError(400, "stream_options.continuous_usage_stats is not supported",
-                           param="stream_options.continuous_usage_stats")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 with echo: the prompt alone, scored (vLLM's echo without generation); null: the rest of the context (vLLM)
-    max_tokens: int | None = Field(16, ge=0)
-    KEEP_NULL: ClassVar[tuple[str, ...]] = ("max_tokens",)
-    logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs
-    echo: bool = False  # the reply starts with the prompt; with logprobs, the prompt is scored
-    best_of: int | None = Field(None, ge=1)  # OpenAI's; only 1 (or n) is accepted: no beam/best-of search
-    # vLLM's field, with its default: text prompts get the tokenizer's special tokens (a BOS
-    # where the model has one; SmolLM2 has none). Token-id prompts are taken as given
-    add_special_tokens: bool = True
-
-    def check_neutral(self) -> None:
-        super().check_neutral()
-        if self.best_of is not None and self.best_of != self.n:  # below n: vLLM's 400 too
-            raise ApiError(400, "best_of other than n is not supported", param="best_of")
-        if self.max_tokens == 0 and not self.echo:
-            raise ApiError(400, "max_tokens 0 generates nothing: it takes echo: true (the prompt alone, scored)",
-                           param="max_tokens")
-        if self.stream and self.echo and self.logprobs is not None:  # the prompt's scores are not streamed
-            raise ApiError(400, "echo with logprobs is not supported with stream: true", param="logprobs")
-        if self.max_tokens == 0 and self.stream:
-            raise ApiError(400, "max_tokens 0 (the prompt alone, scored) is not supported with stream",
-                           param="max_tokens")
-
-    @property
-    def prompt_only(self) -> bool:
-        """echo with max_tokens 0: the reply is the prompt and its scores, nothing generated."""
-        return self.max_tokens == 0
-
-
-class ChatMessage(_Lenient):
-    # OpenAI's roles (system, developer, user, assistant, tool) or any the chat template knows, as vLLM
-    role: str
-    content: str | list[dict] | None = None  # text, OpenAI's content parts ("text" ones), or none (tool calls)
-    # what OpenAI's tool-calling turns carry; the chat template receives them (as in vLLM)
-    name: str | None = None
-    tool_calls: list[dict] | None = None
-    tool_call_id: str | None = None
-
-    def text(self, where: str) -> str:
-        """The message's text: content parts joined by newlines, as vLLM does ("" for none)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            kind = part.get("type")
-            if kind != "text":
-                raise ApiError(400, f"{where}.content.{j}: content part type {kind!r} is not supported "
-                               "(only 'text' parts)", param=f"{where}.content")
-            if not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}.content.{j}: a text part needs a string 'text'",
-                               param=f"{where}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-
-
-# chat_template_kwargs that would replace what the server itself passes to the template
-_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
-                       "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                       "tokenizer_kwargs", "add_generation_prompt", "continue_final_message"}
-
-
-class ChatRequest(_OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # at most ServerLimits.max_logprobs; above 0 needs logprobs
-    # vLLM's chat-template fields (an aLoRA's chat always ends with its invocation instead)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message is left open, to be continued
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
-    # tool calling is not implemented: accepted where it asks for none, as vLLM without a tool parser
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
-    echo: bool = False  # vLLM's chat echo: not implemented
-    add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens
-
-    def check_neutral(self) -> None:
-        super().check_neutral()
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ApiError(400, "continue_final_message needs add_generation_prompt: false (a generation prompt "
-                           "after the message would end it)", param="continue_final_message")
-        reserved = sorted(_TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
-                           "fields do)", param="chat_template_kwargs")
-        if self.tools and self.tool_choice != "none":
-            raise ApiError(400, "tool calling is not supported by kvshare (tools need tool_choice: \"none\")",
-                           param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice other than \"none\" or \"auto\" is not supported", param="tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ApiError(400, "response_format other than {\"type\": \"text\"} is not supported",
-                           param="response_format")
-        for name, default in (("echo", False), ("add_special_tokens", False)):
-            if getattr(self, name) != default:
-                raise ApiError(400, f"{name}={getattr(self, name)!r} is not supported in chat by kvshare",
-                               param=name)
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's ``/tokenize`` body: a ``prompt``, encoded as ``/v1/completions`` encodes it, or
-    ``messages``, rendered as ``/v1/chat/completions`` renders them for ``model`` (an adapter's
-    training system prompt and an aLoRA's invocation included), so the count is the prompt
-    the server would run."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None  # default: the first served base
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = False  # as /v1/completions (off by default, unlike vLLM)
-
-
-class DetokenizeRequest(BaseModel):
-    """vLLM's ``/detokenize`` body."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[int]
-
-
-class LoadLoraRequest(BaseModel):
-    """vLLM's ``/v1/load_lora_adapter`` body; ``base_model_name`` (as in vLLM's
-    ``--lora-modules`` JSON) picks the co-located base to load onto (default: the first)."""
-
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-    base_model_name: str | None = Field(None, min_length=1)
-
-
-class UnloadLoraRequest(BaseModel):
-    """vLLM's ``/v1/unload_lora_adapter`` body (adapters are named, so ``lora_int_id`` is not taken)."""
-
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1)
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse(status_code=status, content={"error": {"message": _printable(message), "type": kind,
-                                                               "param": param and _printable(param), "code": status}})
-
-
-def _printable(text: str) -> str:
-    """``text`` with what UTF-8 cannot carry (a lone surrogate) as "?": an error that quotes a
-    client's text must still encode, or its reply becomes a plain-text 500."""
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-# a UTF-16 surrogate's JSON escape: only a body with one can parse to text that is not Unicode
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _lone_surrogate_at(value) -> str | None:
-    """The dotted path of a string (or key) in parsed JSON that holds a lone surrogate ("" for
-    the top level), or None when all of it is Unicode; walked without recursion."""
-    todo = [(value, "")]
-    while todo:
-        item, where = todo.pop()
-        if isinstance(item, str) and _printable(item) != item:
-            return where
-        children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
-        for key, child in children:
-            path = f"{where}.{_printable(str(key))}" if where else _printable(str(key))
-            if isinstance(key, str) and _printable(key) != key:
-                return path
-            todo.append((child, path))
-    return None
-
-
-async def _check_unicode(request: Request) -> None:
-    """A 400 naming the field when a body is not UTF-8 or its JSON holds a lone surrogate
-    (``"\\ud800"``): such text failed deep inside a tokenizer, a template or an error reply
-    (a plain-text 500). Bodies without a surrogate's escape are only decoded (valid pairs, an
-    emoji as ``json.dumps`` escapes it, are walked and pass)."""
-    body = await request.body()
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as err:  # a surrogate's own bytes (ED A0 80) among them
-        raise ApiError(400, f"the request body is not valid UTF-8 (byte {err.start})") from None
-    if not _SURROGATE_ESCAPE.search(text):
-        return
-    try:
-        data = await request.json()  # Starlette keeps it: FastAPI does not parse the body again
-    except ValueError:
-        return  # not JSON: FastAPI's own 400 says so
-    where = _lone_surrogate_at(data)
-    if where is not None:
-        raise ApiError(400, f"{where or 'the body'}: the text is not valid Unicode (a lone UTF-16 surrogate, "
-                       "such as \\ud800); send UTF-8 text", param=where or None)
-
-
-class _UnicodeCheckedRoute(APIRoute):
-    """Every route checks its body with :func:`_check_unicode` before FastAPI parses it, so that
-    each field of every route is covered in one place."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def checked(request: Request) -> Response:
-            await _check_unicode(request)
-            return await handler(request)
-
-        return checked
-
-
-class _ApiKeyGuard:
-    """Require ``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize (these read
-    an adapter's names and training system prompt), compared in constant time.
-
-    A pure ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) hides the
-    client's disconnect from handlers, so a non-streaming request could never be cancelled.
-    """
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not authorized(scope["path"], scope["headers"], self.expected):
-            await _error(401, "invalid API key", kind="authentication_error")(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """Refuse a request body over ``limit`` bytes with 413 before anything buffers or parses
-    it: a declared Content-Length is judged up front, a chunked body is read here only up to
-    the limit and then handed on."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:  # the HTTP server holds the client to it
-            if not declared.isdigit() or int(declared) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before its body arrived: nobody to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # what follows the body: the client's disconnect
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send):
-        await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
-
-
-def _nesting(value, limit: int) -> int:
-    """Depth of nested objects and lists in ``value``, counted without recursion and no
-    further than ``limit + 1``."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth > limit:
-                return depth
-            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def _raised_in_template(err: BaseException) -> bool:
@@ -493,27 +105,6 @@ def _stop_prefix(text: str, stops: list[str]) -> int:
                 break
             k -= 1
     return longest
-
-
-def check_in_vocabulary(ids: list[int], vocab_size: int, param: str) -> None:
-    """A 400 naming the first token id outside the vocabulary."""
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
-
-
-def check_scored(req: CompletionRequest, prompts: list[list[int]], limits: ServerLimits) -> None:
-    """A 400 when echo with logprobs would score more than ``max_scored_entries`` entries: every
-    prompt token of every choice, with its ``logprobs`` alternatives and itself. Each is decoded,
-    kept and encoded into the reply (tens of bytes of JSON apiece)."""
-    if not req.echo or req.logprobs is None:
-        return
-    tokens = sum(map(len, prompts))
-    entries = tokens * req.n * (req.logprobs + 1)
-    if entries > limits.max_scored_entries:
-        raise ApiError(400, f"echo with logprobs={req.logprobs} scores {entries} entries ({tokens} prompt tokens x "
-                       f"n={req.n} x {req.logprobs + 1}); at most max_scored_entries={limits.max_scored_entries}",
-                       param="logprobs")
 
 
 _PIECE = 4096  # leaves (numbers, strings) per json.dumps call: about a millisecond of holding the GIL
@@ -574,61 +165,6 @@ def _flat(value) -> bool:
     return not any(isinstance(item, (dict, list)) for item in items)
 
 
-def check_context(engine: LLMEngine, count: int, param: str) -> None:
-    """/tokenize and /detokenize: a 400 for more tokens than the context holds, the bound the
-    generation routes put on every prompt, so that neither route is the way around it."""
-    if count > engine.max_model_len:
-        raise ApiError(400, f"{count} tokens exceed the maximum context length {engine.max_model_len}", param=param)
-
-
-def check_allowed_token_ids(ids: list[int] | None, vocab_size: int) -> None:
-    """A 400 for ``allowed_token_ids`` longer than the vocabulary (some id repeats: a list of
-    megabytes, each id a loop iteration) or naming an id outside it; counted before any id is read."""
-    if ids is None:
-        return
-    if len(ids) > vocab_size:
-        raise ApiError(400, f"allowed_token_ids has {len(ids)} ids; at most the vocabulary size {vocab_size} "
-                       "(each id once)", param="allowed_token_ids")
-    check_in_vocabulary(ids, vocab_size, "allowed_token_ids")
-
-
-def check_limits(req: _OpenAIRequest, limits: ServerLimits, vocab_size: int) -> None:
-    """Refuse (400) what would cost more than one request's share: long or many stop strings,
-    large or deep ``kvshare_hints``, more logprobs than ``max_logprobs``, a top_k beyond the
-    vocabulary. The hints' fields themselves are the engine's to validate."""
-    if req.n > limits.max_n:
-        raise ApiError(400, f"n must be at most {limits.max_n}", param="n")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > limits.max_stop_sequences:
-        raise ApiError(400, f"stop has {len(stops)} sequences; at most {limits.max_stop_sequences} are allowed",
-                       param="stop")
-    if any(not 0 < len(s) <= limits.max_stop_length for s in stops):
-        raise ApiError(400, f"each stop sequence must have 1 to {limits.max_stop_length} characters", param="stop")
-    if req.top_k is not None and req.top_k > vocab_size:
-        raise ApiError(400, f"top_k must be -1 (off) or at most the vocabulary size {vocab_size}", param="top_k")
-    stop_ids = req.stop_token_ids or []
-    if len(stop_ids) > limits.max_stop_sequences:
-        raise ApiError(400, f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_sequences} are "
-                       "allowed", param="stop_token_ids")
-    check_in_vocabulary(stop_ids, vocab_size, "stop_token_ids")
-    check_allowed_token_ids(req.allowed_token_ids, vocab_size)
-    for name in ("logprobs", "top_logprobs"):
-        value = getattr(req, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
-            raise ApiError(400, f"{name} must be at most {limits.max_logprobs}", param=name)
-    if isinstance(req, ChatRequest) and req.top_logprobs and not req.logprobs:  # 0 alone asks for nothing (vLLM)
-        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    hints = req.kvshare_hints
-    if hints is not None:
-        if _nesting(hints, limits.max_hints_depth) > limits.max_hints_depth:
-            raise ApiError(400, f"kvshare_hints nests deeper than {limits.max_hints_depth} levels",
-                           param="kvshare_hints")
-        size = len(json.dumps(hints, separators=(",", ":")).encode())
-        if size > limits.max_hints_bytes:
-            raise ApiError(400, f"kvshare_hints is {size} bytes as JSON; at most {limits.max_hints_bytes} are allowed",
-                           param="kvshare_hints")
-
-
 def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
                served_model_name: str | list[str] | None = None, max_waiting: int | None = None,
                limits: ServerLimits | None = None, enable_lora_loading: bool = False,
@@ -681,33 +217,33 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
         lora_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvshare", version="1", lifespan=lifespan)
-    app.router.route_class = _UnicodeCheckedRoute  # every route below: bodies that are not Unicode are 400
+    app.router.route_class = UnicodeCheckedRoute  # every route below: bodies that are not Unicode are 400
     app.state.runner = runner  # the engine thread, for health checks and tests
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        return _error(err.status, err.message, err.kind, err.param)
+    async def _apierror_response(request: Request, err: ApiError):
+        return error_response(err.status, err.message, err.kind, err.param)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, err: HTTPException):  # routing, unparsable bodies
-        return _error(err.status_code, str(err.detail), "invalid_request_error" if err.status_code < 500
+    async def _httperror_response(request: Request, err: HTTPException):  # routing, unparsable bodies
+        return error_response(err.status_code, str(err.detail), "invalid_request_error" if err.status_code < 500
                       else "server_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):  # a bug of ours: OpenAI's shape; logged by Starlette
-        return _error(500, f"internal server error ({type(err).__name__}); see the server's log", "server_error")
+        return error_response(500, f"internal server error ({type(err).__name__}); see the server's log", "server_error")
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, err: RequestValidationError):
+    async def _validationerror_response(request: Request, err: RequestValidationError):
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         if first["type"] == "extra_forbidden":  # e.g. vLLM's use_beam_search, guided_json
-            return _error(400, f"{where}: this field is not supported by kvshare", param=where or None)
-        return _error(400, f"{where}: {first['msg']}", param=where or None)
+            return error_response(400, f"{where}: this field is not supported by kvshare", param=where or None)
+        return error_response(400, f"{where}: {first['msg']}", param=where or None)
 
-    app.add_middleware(_BodyLimit, limit=limits.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=limits.max_request_bytes)
     if api_key:  # added last, so it runs first: no key, no body read
-        app.add_middleware(_ApiKeyGuard, api_key=api_key)
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     async def off_loop(work, *args):
         """Run CPU-bound ``work`` (tokenising, chat templates) on the tokenizer thread."""
@@ -764,13 +300,6 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     def reply_id(prefix: str, req) -> str:
         """vLLM's reply ids: the client's ``request_id`` when it gives one."""
         return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
-
-    def check_prompt(engine: LLMEngine, tokens: list[int], max_tokens: int) -> None:
-        if not tokens:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if len(tokens) + max_tokens > engine.max_model_len:
-            raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                           f"maximum context length {engine.max_model_len}", param="max_tokens")
 
     def observe(out: RequestOutput, base: str) -> None:
         server_metrics.observe(out, base)
@@ -1048,7 +577,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     async def health():
         problem = runner.health()
         if problem is not None:  # a load balancer must stop sending here
-            return _error(503, problem, kind="server_error")
+            return error_response(503, problem, kind="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
