@@ -10,6 +10,7 @@ in one place.
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -65,7 +66,7 @@ class UnicodeCheckedRoute(APIRoute):
     """Every route checks its body with :func:`check_unicode` before FastAPI parses it, so that
     each field of every route is covered in one place."""
 
-    def get_route_handler(self):
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         """FastAPI's handler, behind the check."""
         handler = super().get_route_handler()
 
@@ -133,6 +134,6 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send):
+    async def _refuse(self, scope, receive, send) -> None:
         """413, without reading the rest of the body."""
         await error_response(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
