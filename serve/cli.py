@@ -131,7 +131,7 @@ def _check_runtime_lora_flags(args: argparse.Namespace, enable_loading: bool) ->
             raise KvshareError(f"--{flag.replace('_', '-')} applies to runtime LoRA loading: it needs "
                                "--enable-lora-loading (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     if args.lora_root is not None:
-        from .lora_scope import lora_root
+        from .http.lora_scope import lora_root
 
         lora_root(args.lora_root)
 

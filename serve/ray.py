@@ -1,7 +1,7 @@
 """``kvshare serve --ray``: kvshare engines as Ray Serve replicas behind one HTTP address.
 
 Two deployments. ``KvshareEngine`` replicas each hold an engine over the same base and
-adapters and run the very app ``kvshare serve`` runs (:func:`.server.create_app`), called
+adapters and run the very app ``kvshare serve`` runs (:func:`.http.create_app`), called
 in-process as an ASGI app. ``KvshareGateway``, the ingress, reads a request's workflow id
 (the ``x-session-id`` header, else the body's ``kvshare_hints.workflow_id``) and forwards the
 request unchanged to an engine replica through a Ray handle carrying that id as its session
@@ -100,7 +100,7 @@ class KvshareEngine:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         from .engine import LLMEngine
-        from .server import create_app
+        from .http import create_app
 
         engine = LLMEngine(spec.model, list(spec.adapters), spec.config)
         for name, path in spec.lora_modules:

@@ -10,7 +10,7 @@ import pytest
 
 from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine, SamplingParams
-from kvshare.serve.metrics import ServerMetrics
+from kvshare.serve.http.metrics import ServerMetrics
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
 

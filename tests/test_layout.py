@@ -76,12 +76,12 @@ def test_regular_wheel_install_imports_every_subsystem(tmp_path):
         names = archive.namelist()
         archive.extractall(site)
     for expected in ("kvshare/__init__.py", "kvshare/train/__init__.py", "kvshare/serve/__init__.py",
-                     "kvshare/kernels/__init__.py", "kvshare/eval/__init__.py",
+                     "kvshare/kernels/__init__.py", "kvshare/eval/__init__.py", "kvshare/serve/http/__init__.py",
                      "kvshare/serve/cache/__init__.py", "kvshare/eval/perf/__init__.py",
                      "kvshare/schemas/manifest.schema.json"):
         assert expected in names
     code = ("import kvshare, kvshare.train, kvshare.serve, kvshare.kernels, kvshare.eval;"
-            "import kvshare.serve.cache, kvshare.eval.perf.engine, kvshare.cli;"
+            "import kvshare.serve.cache, kvshare.serve.http, kvshare.eval.perf.engine, kvshare.cli;"
             "from kvshare import manifest; manifest.schema(); print(kvshare.__file__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},

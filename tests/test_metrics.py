@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshare.serve import LLMEngine, SamplingParams
-from kvshare.serve.metrics import ServerMetrics
+from kvshare.serve.http.metrics import ServerMetrics
 from kvshare.serve.adapters import find_invocation_start
 from kvshare.serve.server import create_app
 

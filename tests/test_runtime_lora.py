@@ -21,7 +21,7 @@ from kvshare import manifest
 from kvshare.adapters import ADAPTER_WEIGHTS
 from kvshare.errors import KvshareError
 from kvshare.serve import LLM, LLMEngine, SamplingParams
-from kvshare.serve.lora_scope import ALLOW_REPLACE_FLAG, REFUSED_PATH
+from kvshare.serve.http.lora_scope import ALLOW_REPLACE_FLAG, REFUSED_PATH
 from kvshare.serve.server import create_app
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
@@ -85,7 +85,7 @@ def test_load_refusals_do_not_reveal_whether_a_path_exists(base, adapters, tmp_p
     cases = {"missing": root / "no-such", "not a folder": root / "a-file", "not an adapter": root / "not-an-adapter",
              "outside the root": tmp_path / "outside", "permission denied": locked}
     app = create_app(_engine(base), enable_lora_loading=True, lora_root=root)
-    with TestClient(app) as client, caplog.at_level(logging.WARNING, logger="kvshare.serve.lora_scope"):
+    with TestClient(app) as client, caplog.at_level(logging.WARNING, logger="kvshare.serve.http.lora_scope"):
         replies = {why: _load(client, "x", path) for why, path in cases.items()}
     assert {r.status_code for r in replies.values()} == {400}
     assert {json.dumps(r.json()) for r in replies.values()} == {json.dumps(replies["missing"].json())}

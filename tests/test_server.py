@@ -973,11 +973,11 @@ def test_completions_take_vllms_add_special_tokens(base, monkeypatch):
 
 
 def test_a_stream_holds_back_the_longest_end_that_begins_a_stop_string():
-    """``_stop_prefix`` (which skips lengths whose last character cannot match) against the
+    """``stop_prefix`` (which skips lengths whose last character cannot match) against the
     definition, on random texts and stop strings over a small alphabet (many partial matches)."""
     import random
 
-    from kvshare.serve.server import _stop_prefix
+    from kvshare.serve.http.streaming import stop_prefix
 
     def by_definition(text, stops):
         return max([k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
@@ -987,7 +987,7 @@ def test_a_stream_holds_back_the_longest_end_that_begins_a_stop_string():
     for _ in range(2000):
         text = "".join(rng.choice("ab c") for _ in range(rng.randrange(0, 12)))
         stops = ["".join(rng.choice("ab c") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 4))]
-        assert _stop_prefix(text, stops) == by_definition(text, stops), (text, stops)
+        assert stop_prefix(text, stops) == by_definition(text, stops), (text, stops)
 
 
 def test_unexpected_failures_are_openai_errors_not_tracebacks(cli, base, monkeypatch):

@@ -16,13 +16,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ..errors import KvshareError
-from ..manifest import MANIFEST_FILE, read as read_manifest
+from ...adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ...errors import KvshareError
+from ...manifest import MANIFEST_FILE, read as read_manifest
 
 if TYPE_CHECKING:
-    from .adapters import LoadedAdapter
-    from .colocate import Colocation
+    from ..adapters import LoadedAdapter
+    from ..colocate import Colocation
 
 logger = logging.getLogger(__name__)
 
