@@ -35,6 +35,7 @@ from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .hints import AgentHints
+from .kv_layout import layout_named
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
 from .sampler import allowed_mask
@@ -96,8 +97,8 @@ class LLMEngine:
                                     compiled.buckets if compiled is not None else (), admission,
                                     config.max_loras if compiled is not None else None)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
-        self._adapters.default_kv_layout = config.kv_layout
-        if config.kv_layout == "forkkv":
+        self._adapters.default_layout = layout_named(config.kv_layout)
+        if self._adapters.default_layout.uses_residual_pool:
             self._ensure_residual_pool()
         for path in adapters:
             self._adapters.load(path)
@@ -124,7 +125,7 @@ class LLMEngine:
 
     def install_adapter(self, adapter: LoadedAdapter) -> str:
         """Serve a :meth:`prepare_adapter`-d adapter (cheap; on the thread that steps the engine)."""
-        if adapter.kv_layout == "forkkv":
+        if adapter.layout.uses_residual_pool:
             self._ensure_residual_pool()
         return self._adapters.install(adapter)
 
@@ -226,7 +227,7 @@ class LLMEngine:
         if needed > limit:
             raise KvshareError(f"request needs {needed} KV blocks; the pool has {limit}"
                                + (" with every block the co-located engines may lend" if self.max_kv_blocks else ""))
-        if adapter is not None and self.adapter(adapter).kv_layout == "forkkv" and \
+        if adapter is not None and self.adapter(adapter).layout.uses_residual_pool and \
                 needed > self._blocks.residual.num_blocks:
             raise KvshareError(f"request needs {needed} ForkKV residual blocks; the residual pool has "
                                f"{self._blocks.residual.num_blocks}")

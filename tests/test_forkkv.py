@@ -298,7 +298,7 @@ def test_a_short_residual_pool_preempts_forkkv_agents_only(base, adapters, token
     tight = forkkv_llm(base, adapters, forkkv_residual_tokens=7 * BS)
     scheduler, preempted = tight.engine._scheduler, []
     real_preempt = scheduler._preempt
-    scheduler._preempt = lambda seq: preempted.append(seq.forkkv) or real_preempt(seq)
+    scheduler._preempt = lambda seq: preempted.append(seq.layout.uses_residual_pool) or real_preempt(seq)
     ids = [tight.engine.add_request(p, params, adapter=a) for p, a in requests]
     done = {}
     while tight.engine.has_unfinished():
