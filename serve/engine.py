@@ -17,6 +17,8 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,14 +32,16 @@ from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
-from .cache.arena import KVArena
+from .cache.arena import BlockShape, KVArena
 from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .hints import AgentHints
 from .kv_layout import layout_named
+from .model import Model
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
+from .step_buckets import BucketedStep
 from .sampler import allowed_mask
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -209,7 +213,7 @@ class LLMEngine:
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise KvshareError("the prompt is empty")
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise KvshareError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
@@ -248,7 +252,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.allowed_token_ids is not None:  # once here, not at every step of the request
-            seq.allowed_mask = allowed_mask(params.allowed_token_ids, vocab, self.runner.device)
+            seq.allowed_mask = allowed_mask(params.allowed_token_ids, vocab, self.device)
         self.sequences[request_id] = seq
         seq.agent = self._agents.on_request(hints)
         self._scheduler.add(seq)
@@ -259,7 +263,7 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """Prompt + output tokens one request may have: the context, or the KV pool (with every
         block co-located engines may lend) where that is smaller."""
-        return min(self.max_model_len, (self.max_kv_blocks or self._blocks.num_blocks) * self.config.block_size)
+        return min(self.max_model_len, (self.max_kv_blocks or self.num_kv_blocks) * self.config.block_size)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now (its blocks freed); ``reason`` "error" counts it as failed."""
@@ -411,6 +415,41 @@ class LLMEngine:
     @property
     def block_size(self) -> int:
         return self._blocks.block_size
+
+    @property
+    def block_shape(self) -> BlockShape:
+        """What one KV block holds (layers, KV heads, head size, tokens, dtype) and its bytes."""
+        return self.runner.block_shape()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV pool this engine holds now (co-located: its share of the arena)."""
+        return self._blocks.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to ``vocab_size - 1`` (the embedding's rows)."""
+        return self.runner.vocab_size
+
+    @property
+    def model(self) -> Model:
+        """The base model's weights, for benchmarks and tests that look at them."""
+        return self.runner.model
+
+    @property
+    def compiled_step(self) -> BucketedStep | None:
+        """The compiled CPU step or CUDA graphs that small steps run through (None: eager)."""
+        return self.runner.compiled
+
+    @contextmanager
+    def eager_steps(self) -> Iterator[None]:
+        """Run every step eager inside the block (a benchmark that times nothing need not
+        compile a graph for each of its batch sizes)."""
+        compiled, self.runner.compiled = self.runner.compiled, None
+        try:
+            yield
+        finally:
+            self.runner.compiled = compiled
 
     def num_waiting(self) -> int:
         return len(self._scheduler.waiting)

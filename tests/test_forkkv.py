@@ -230,7 +230,7 @@ def test_hidden_states_show_where_shared_kv_diverges(base, adapters, tokenizer):
     cosine = {k: torch.nn.functional.cosine_similarity(v, states["exact"], dim=-1) for k, v in states.items()}
     assert cosine["forkkv"].min() > cosine["full_reuse"].min()
     assert cosine["forkkv"].mean() < 1 - 1e-7  # the shared part is not lora-b's own: not exact
-    assert states["exact"].shape == (alone.engine.runner.model.n_layers, alone.engine.runner.model.config.hidden_size)
+    assert states["exact"].shape == (alone.engine.model.n_layers, alone.engine.model.config.hidden_size)
 
 
 def test_forkkv_agents_through_the_server_and_the_workflow_runtime(base, adapters, tokenizer):
