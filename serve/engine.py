@@ -36,6 +36,7 @@ from .cache.arena import BlockShape, KVArena
 from .cache.lending import KVDemand
 from .cache.residual import ResidualCache
 from .config import EngineConfig
+from .engine_stats import engine_stats, kv_usage
 from .hints import AgentHints
 from .kv_layout import layout_named
 from .model import Model
@@ -564,59 +565,12 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """Per pool: blocks in total, in use, shared, private, unsealed, cached-idle, and the
         blocks holding KV (in use or kept for reuse) and their bytes."""
-        usage = self._blocks.usage()
-        holding = self._blocks.num_holding_kv
-        usage.update(blocks_holding_kv=holding, bytes_holding_kv=holding * self.block_size * self.kv_bytes_per_token)
-        pools = {"kv": usage}
-        residual = self._blocks.residual
-        if residual is not None:
-            res = residual.usage()
-            per_block = self.runner.residual_cache[:, :, 0].numel() * self.runner.residual_cache.element_size()
-            res.update(blocks_holding_kv=residual.num_holding, bytes_holding_kv=residual.num_holding * per_block)
-            pools["forkkv_residual"] = res
-        return pools
+        return kv_usage(self._blocks, self.kv_bytes_per_token, self.runner.residual_block_bytes)
 
     def stats(self) -> dict:
-        cache = self._blocks.stats
-        return {
-            **self.counters, **self._blocks.usage(),
-            "prefix_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
-            "prefix_hit_tokens": cache.hit_tokens, "prefix_queried_tokens": cache.queried_tokens,
-            **{f"prefix_hit_tokens_{kind}": n for kind, n in cache.hit_tokens_by_kind.items()},
-            "evictions": cache.evictions,
-            **self.forkkv_stats(),
-            "preemptions": self._scheduler.preemptions, **self.host_tier_stats(), **self.admission_stats(),
-            "waiting": self.num_waiting(), "running": self.num_running(),
-        }
-
-    def admission_stats(self) -> dict:
-        """Workflows admitted and live now, how often calls of new ones were held back, and how
-        many wait held now (nothing without workflow admission)."""
-        admission = self._scheduler.admission
-        if admission is None:
-            return {}
-        return {"workflows_admitted": admission.admitted, "admission_holds": admission.held,
-                "admission_held_waiting": self.num_held()}
-
-    def forkkv_stats(self) -> dict:
-        """The ForkKV residual pool's hits and evictions (nothing without the pool)."""
-        residual = self._blocks.residual
-        if residual is None:
-            return {}
-        return {"forkkv_base_read_tokens": self._blocks.stats.forkkv_base_read_tokens,
-                "forkkv_residual_hit_tokens": residual.stats.hit_tokens,
-                "forkkv_residual_evictions": residual.stats.evictions}
-
-    def host_tier_stats(self) -> dict:
-        """Blocks and bytes the host tier moved, and how much of the prompts it served."""
-        tier = self._blocks.tier
-        if tier is None:
-            return {}
-        return {"host_" + k: v for k, v in vars(tier.stats).items()} | {
-            "host_hit_tokens": self._blocks.stats.host_hit_tokens,
-            "host_blocks_total": tier.num_blocks, "host_blocks_used": len(tier.index),
-            "host_loads_in_flight": self._blocks.loads_in_flight()}
-
+        """Counters, the pool's usage, prefix-cache hits (by the kind of KV reused) and evictions,
+        preemptions, and the figures of the ForkKV pool, host tier and workflow admission."""
+        return engine_stats(self.counters, self._blocks, self._scheduler, self.num_held())
 
 class LLM:
     """Batch generation in the shape vLLM users know: ``LLM(model=...).generate(prompts, params)``."""
