@@ -7,7 +7,9 @@ schedule -> run -> postprocess: the scheduler picks work and plans its rows
 device with its kernels and samples (:mod:`.runner`), and the scheduler advances, publishes
 completed blocks to the prefix cache (:mod:`.cache`) and finishes sequences; the engine
 turns them into :class:`RequestOutput` (:mod:`.output`). Callers (server, benchmarks, eval)
-use only the methods here, never the cache or scheduler.
+use only the methods and properties here, never the runner, cache or scheduler; what the
+engine reports is built in :mod:`.engine_stats`, and its side of SwiftCache lending
+between co-located engines is :class:`~.lender.EngineLender`.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
-from .cache.arena import BlockShape, KVArena
-from .cache.lending import KVDemand
+from .cache.arena import BlockShape
 from .cache.residual import ResidualCache
 from .config import EngineConfig
 from .engine_stats import engine_stats, kv_usage
@@ -475,72 +476,6 @@ class LLMEngine:
         """Requests whose prompt is not fully computed yet (waiting ones included)."""
         return self.num_waiting() + sum(1 for s in self._scheduler.running if s.num_computed < len(s.prompt))
 
-    # co-location (SwiftCache: :mod:`.cache.lending`) -----------------------------------------
-    def join_arena(self, arena: KVArena, name: str, stream_rows: int = 0) -> None:
-        """Move this engine's KV into ``arena`` (which it shares with co-located engines) and
-        start with the blocks of the units ``name`` holds there. ``stream_rows``: keep only a
-        layer buffer of that many one-layer blocks locally and stream every layer from the
-        arena (SwiftCache's layer-stream cache). Needs an idle engine."""
-        if self.sequences:
-            raise KvshareError("join_arena needs an idle engine")
-        self._land_loads("join_arena")  # a prefetch's loads write the old memory
-        if stream_rows and self._blocks.residual is not None:  # before anything moves
-            raise KvshareError("the layer-stream cache does not serve ForkKV adapters")
-        view = arena.view(name)
-        self.runner.use_kv_memory(view)
-        if stream_rows:
-            self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)
-        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
-        if self._blocks.tier is not None:  # only now: its loads wrote the old pool's block ids
-            self._blocks.tier.device_kv = view
-        if self._blocks.residual is not None and self.config.forkkv_residual_tokens is None:
-            self._blocks.residual = None  # its default size: from the blocks held now, not those it was built with
-            self._ensure_residual_pool()
-
-    def kv_demand(self) -> KVDemand:
-        """Blocks the requests here need to take their next step: the running ones (the
-        distinct blocks they hold, a shared prefix once, and those each needs for one more
-        token) and the oldest waiting one (its whole prompt, cached prefixes counted as if
-        absent)."""
-        need = self._blocks.blocks_needed
-        held = {b for s in self._scheduler.running for b in s.block_table}
-        running = len(held) + sum(max(0, need(len(s) + 1) - len(s.block_table)) for s in self._scheduler.running)
-        if not self._scheduler.waiting:
-            return KVDemand(running)
-        head = self._scheduler.waiting[0]
-        return KVDemand(running, need(len(head) + 1), min(s.arrival for s in self._scheduler.waiting))
-
-    def kv_blocks_owned(self) -> int:
-        return self._blocks.num_blocks
-
-    def stream_stats(self) -> dict:
-        """The layer-stream cache's loads, write-backs and stalls (nothing without one)."""
-        stream = self.runner.stream
-        return {} if stream is None else {"stream_" + k: v for k, v in vars(stream.stats).items()}
-
-    def grant_kv_blocks(self, block_ids: list[int]) -> None:
-        """Blocks of the arena this engine may use from now on (lent, or given back)."""
-        self._blocks.grant(block_ids)
-
-    def kv_blocks_busy(self, block_ids: list[int]) -> list[int]:
-        """Those of ``block_ids`` a request holds now."""
-        return self._blocks.busy(block_ids)
-
-    def release_kv_blocks(self, block_ids: list[int], preempt: bool) -> int | None:
-        """Give blocks back to the arena; returns how many requests were preempted for it, or
-        None when nothing was released. Idle cached blocks are evicted; requests holding one
-        are preempted (recomputed later) if ``preempt``, else nothing is released. None also
-        when some stay held (e.g. by a host-tier load in flight): try again later."""
-        preempted = 0
-        if self._blocks.busy(block_ids):
-            if not preempt or self._blocks.loading_into(block_ids):
-                return None  # a load in flight would keep its block after the preemptions
-            preempted = self._scheduler.evacuate(block_ids)
-            if self._blocks.busy(block_ids):
-                return None
-        self._blocks.withdraw(block_ids)
-        return preempted
-
     def forget_workflows(self) -> None:
         """Forget what workflow admission learned (the workflows seen, the footprints of those
         that ended), so that a benchmark's next point starts as a fresh server would."""
@@ -549,18 +484,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""
-        self._land_loads("reset_prefix_cache")
+        self._blocks.land_loads("reset_prefix_cache")
         self._blocks.reset()
-
-    def _land_loads(self, why: str, timeout: float = 60.0) -> None:
-        """Let the host tier's loads in flight land and be collected (a prefetch the last step
-        started: each holds a block until then), before ``why`` changes the pool under them."""
-        deadline = time.monotonic() + timeout
-        while self._blocks.loads_in_flight():
-            if time.monotonic() > deadline:
-                raise KvshareError(f"{why}: host-tier loads did not land within {timeout:g} s")
-            self._blocks.wait_for_loads(1.0)
-            self._blocks.poll_loads()
 
     def kv_usage(self) -> dict:
         """Per pool: blocks in total, in use, shared, private, unsealed, cached-idle, and the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ...errors import KvshareError
 from ..kv_layout import REUSE_KINDS
 from ..sequence import Sequence
 from .agents import AgentKey, AgentTable
@@ -393,6 +394,15 @@ class BlockManager:
         if self.tier is not None and self.loading:
             self.tier.wait(timeout)
 
+    def land_loads(self, why: str, timeout: float = 60.0) -> None:
+        """Let the host tier's loads in flight land and be collected (a prefetch the last step
+        started: each holds a block until then), before ``why`` changes the pool under them."""
+        deadline = time.monotonic() + timeout
+        while self.loads_in_flight():
+            if time.monotonic() > deadline:
+                raise KvshareError(f"{why}: host-tier loads did not land within {timeout:g} s")
+            self.wait_for_loads(1.0)
+            self.poll_loads()
 
     def prefetch(self, within: int, reserve: int = 0) -> int:
         """Load back the fixed prompts of the agents due within ``within`` steps, nearest
