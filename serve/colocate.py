@@ -61,6 +61,15 @@ class Colocation:
             for adapter in engine.adapters():
                 self._check_free(adapter.name, base)
 
+    @classmethod
+    def of(cls, engine: LLMEngine | Colocation, name: str | None = None) -> Colocation:
+        """``engine`` as a co-location: a Colocation as it is, else one engine served as
+        ``name`` (default: its model name). What takes either (the driver, metrics, the
+        server) goes through here."""
+        if isinstance(engine, Colocation):
+            return engine
+        return cls({name or engine.model_name: engine})
+
     def _check_free(self, name: str, base: str) -> None:
         """Refuse ``name`` as an adapter of ``base`` if it names a base or another engine's adapter."""
         if name in self.engines:

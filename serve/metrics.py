@@ -164,8 +164,7 @@ class ServerMetrics:
     def __init__(self, engine: LLMEngine | Colocation, model_name: str | None = None):
         """Over one engine served as ``model_name``, or over co-located engines (by their
         served names, which label the histograms too)."""
-        colocation = engine if isinstance(engine, Colocation) else \
-            Colocation({model_name or engine.model_name: engine})
+        colocation = Colocation.of(engine, model_name)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(colocation))
         self.by_model = by_model = len(colocation.engines) > 1
