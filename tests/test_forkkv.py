@@ -196,6 +196,20 @@ def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
         LLM(base, [], kv_layout="forked")
 
 
+def test_every_layout_name_resolves_to_its_one_row():
+    """The public names (kinds.KV_LAYOUTS: EngineConfig, load_adapter, --kv-layout) each have
+    one KVLayout row, and a lora spec served under a name is served with that row."""
+    from kvshare.kinds import KV_LAYOUTS, serving_spec
+    from kvshare.serve.kv_layout import LAYOUTS, layout_named, layout_of
+
+    assert tuple(LAYOUTS) == KV_LAYOUTS
+    for name in KV_LAYOUTS:
+        assert layout_named(name).name == name and layout_of(serving_spec("lora", name)) is layout_named(name)
+    assert [n for n in KV_LAYOUTS if layout_named(n).uses_residual_pool] == ["forkkv"]
+    with pytest.raises(KvshareError, match="unknown kv_layout"):
+        layout_named("fork")
+
+
 def test_full_reuse_shares_whole_kv_among_its_agents_only(base, adapters, tokenizer):
     """The quality baseline: lora-b reads lora-a's whole K/V (so it hits everything), and no
     exact kind or ForkKV agent ever reads it."""
