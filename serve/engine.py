@@ -43,11 +43,11 @@ from .kv_layout import layout_named
 from .model import Model
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
-from .step_buckets import BucketedStep
 from .sampler import allowed_mask
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .step_buckets import BucketedStep
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "EngineConfig"]
 
@@ -496,6 +496,7 @@ class LLMEngine:
         """Counters, the pool's usage, prefix-cache hits (by the kind of KV reused) and evictions,
         preemptions, and the figures of the ForkKV pool, host tier and workflow admission."""
         return engine_stats(self.counters, self._blocks, self._scheduler, self.num_held())
+
 
 class LLM:
     """Batch generation in the shape vLLM users know: ``LLM(model=...).generate(prompts, params)``."""
