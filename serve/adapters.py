@@ -27,6 +27,7 @@ from ..export import verify_adapter_dir
 from ..manifest import check_loaded_files
 from ..safetensors_io import read_json, read_tensor_file
 from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind, serving_spec
+from .kv_layout import EXACT, KVLayout, layout_named
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -40,11 +41,16 @@ class LoadedAdapter:
     invocation: list[int] | None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
     digest: str  # content digest: what its KV blocks are keyed by
-    kv_layout: str = "exact"  # "forkkv": k/v LoRA kept apart as a rank-r residual (ForkKV)
+    layout: KVLayout = EXACT  # ForkKV: k/v LoRA kept apart as a rank-r residual
+
+    @property
+    def kv_layout(self) -> str:
+        """The layout's public name (what ``load_adapter(kv_layout=...)`` took)."""
+        return self.layout.name
 
     @property
     def spec(self) -> KindSpec:
-        return serving_spec(self.kind, self.kv_layout)
+        return serving_spec(self.kind, self.layout.name)
 
     @property
     def rank(self) -> int:
@@ -101,18 +107,20 @@ class AdapterSet:
         self._lookup: dict[tuple[int, str], list] = {}
         self._residual: dict[int, ResidualStack] = {}
         self.residual_rank = 0  # the residual pool's width: ForkKV adapters may have at most this rank
-        self.default_kv_layout = "exact"  # the layout of lora adapters loaded without one
+        self.default_layout = EXACT  # the layout of lora adapters loaded without one
         self.version = 0  # counts loads and unloads: what caches of the slots compare against
 
-    def layout_of(self, path: Path, kv_layout: str | None) -> tuple[dict, str]:
-        """(manifest, the layout the adapter at ``path`` is served with): ``kv_layout`` or the
-        default for its kind; a clear error for a layout its kind has not. Its files are
-        checked by :meth:`load`, on what loads."""
+    def layout_of(self, path: Path, kv_layout: str | None) -> tuple[dict, KVLayout]:
+        """(manifest, the layout the adapter at ``path`` is served with): the one ``kv_layout``
+        names, or the default for its kind; a clear error for a layout its kind has not. Its
+        files are checked by :meth:`load`, on what loads."""
         manifest = verify_adapter_dir(Path(path), base=self.base_dir, check_files=False)
-        if kv_layout is None:
-            kv_layout = self.default_kv_layout if manifest["kind"] == AdapterKind.LORA.value else "exact"
-        serving_spec(manifest["kind"], kv_layout)
-        return manifest, kv_layout
+        if kv_layout is not None:
+            layout = layout_named(kv_layout)
+        else:
+            layout = self.default_layout if manifest["kind"] == AdapterKind.LORA.value else EXACT
+        serving_spec(manifest["kind"], layout.name)
+        return manifest, layout
 
     def load(self, path: str | Path, name: str | None = None, kv_layout: str | None = None) -> str:
         """Load an exported adapter under ``name``; ``kv_layout="forkkv"`` serves a lora
@@ -126,7 +134,7 @@ class AdapterSet:
         :meth:`install` then costs nothing). Every load goes through here: here the weights
         are refused if they are not finite."""
         path = Path(path)
-        manifest, kv_layout = self.layout_of(path, kv_layout)
+        manifest, layout = self.layout_of(path, kv_layout)
         name = name or manifest["name"]
         self._check_name_free(name)
         # the config and weights are read once: what is checked, loaded and digested is one thing,
@@ -139,7 +147,7 @@ class AdapterSet:
         kind = parse_kind(manifest["kind"])
         invocation = manifest["alora"]["invocation_token_ids"] if kind_spec(kind).needs_invocation else None
         return LoadedAdapter(name, kind, path, manifest, invocation, weights,
-                             adapter_digest(path, kind, invocation, config=config, weights=raw), kv_layout)
+                             adapter_digest(path, kind, invocation, config=config, weights=raw), layout)
 
     def _weights_of(self, path: Path, tensors: dict[str, torch.Tensor], config: dict) -> dict:
         """(layer, projection) -> (A, B, scale) on this set's device and dtype."""
@@ -162,7 +170,7 @@ class AdapterSet:
         steps (on the engine thread). Its name is checked again: another load may have taken
         it meanwhile."""
         self._check_name_free(adapter.name)
-        if adapter.kv_layout == "forkkv" and adapter.rank > self.residual_rank:
+        if adapter.layout.uses_residual_pool and adapter.rank > self.residual_rank:
             raise KvshareError(f"adapter {adapter.name!r} has rank {adapter.rank}; the ForkKV residual pool holds "
                                f"rank {self.residual_rank} at most (raise forkkv_max_rank)")
         slot = next((i for i, s in enumerate(self.slots) if s is None), len(self.slots))
@@ -212,7 +220,7 @@ class AdapterSet:
 
     def residual_index(self) -> dict[int, int]:
         """Slot -> index into :meth:`residual_stack` of every ForkKV adapter (slot order)."""
-        forkkv = [i for i, s in enumerate(self.slots) if s is not None and s.kv_layout == "forkkv"]
+        forkkv = [i for i, s in enumerate(self.slots) if s is not None and s.layout.uses_residual_pool]
         return {slot: index for index, slot in enumerate(forkkv)}
 
     def residual_stack(self, layer: int, hidden: int, kv_size: int) -> ResidualStack:
@@ -256,7 +264,7 @@ class ResidualStack:
 
 def _fuse(adapter: LoadedAdapter, layer: int, parts: tuple[tuple[str, int], ...]):
     # a ForkKV adapter's k/v LoRA is not added to K/V: it goes to the residual pool instead
-    split = ("k_proj", "v_proj") if adapter.kv_layout == "forkkv" else ()
+    split = adapter.layout.residual_projections
     found = [(adapter.weights.get((layer, name)) if name not in split else None, out) for name, out in parts]
     present = [w for w, _ in found if w is not None]
     if not present:

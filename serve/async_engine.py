@@ -83,7 +83,7 @@ class AsyncEngine:
         queued for each of them (a burst to one model does not refuse another's requests, as
         with a server per model). ``self.engine`` is the engine when there is one (what
         :meth:`call` hands its work), else the Colocation."""
-        self.colocation = engine if isinstance(engine, Colocation) else Colocation({engine.model_name: engine})
+        self.colocation = Colocation.of(engine)
         engines = list(self.colocation.engines.values())
         self.engine = engines[0] if len(engines) == 1 else self.colocation
         self.max_waiting = max_waiting

@@ -97,26 +97,26 @@ def build_batch(plans: list[StepPlan], block_size: int, device: torch.device | s
     tokens, positions, slots, writes, row_seq, logit_rows = [], [], [], [], [], []
     res_writes: list[int] = []
     targets: list[tuple[int, int | None]] = []
-    order = sorted(range(len(plans)), key=lambda i: plans[i].seq.forkkv)  # stable: exact ones first
+    # stable: the rows of sequences holding residual blocks (ForkKV) after the others
+    order = sorted(range(len(plans)), key=lambda i: plans[i].seq.residual is not None)
     first_forkkv = None
     for ordinal, index in enumerate(order):
         plan = plans[index]
         seq = plan.seq
-        seq_tokens, table, slot = seq.tokens, seq.block_table, seq.adapter_slot
+        seq_tokens, table, slot, residual = seq.tokens, seq.block_table, seq.adapter_slot, seq.residual
         first = len(tokens)
-        if seq.forkkv and first_forkkv is None:
+        if residual is not None and first_forkkv is None:
             first_forkkv = (first, ordinal)
         start, end = seq.num_computed, seq.num_computed + plan.n_compute
         tokens.extend(seq_tokens[start:end])
         positions.extend(range(start, end))
         slots.extend(slot if seq.kv_adapted(p) else -1 for p in range(start, end))
         # a ForkKV sequence resuming between its two cached prefixes rewrites neither part
-        base_from = seq.base_cached if seq.forkkv else 0
+        base_from = residual.base_cached if residual is not None else 0
         writes.extend(table[p // block_size] * block_size + p % block_size if p >= base_from else -1
                       for p in range(start, end))
-        if seq.forkkv:
-            res_writes.extend(seq.res_table[p // block_size] * block_size + p % block_size
-                              if p >= seq.res_cached else -1 for p in range(start, end))
+        if residual is not None:
+            res_writes.extend(residual.write_slots(start, end, block_size))
         for pos in plan.scored_by_write:
             logit_rows.append(first + pos - start)
             targets.append((index, pos))
@@ -125,7 +125,7 @@ def build_batch(plans: list[StepPlan], block_size: int, device: torch.device | s
             positions.append(pos)
             slots.append(slot if seq.query_adapted(pos) else -1)
             writes.append(-1)
-            if seq.forkkv:
+            if residual is not None:
                 res_writes.append(-1)
         scored = plan.read_only[:-1] if plan.sample_from_read_only else plan.read_only
         for offset, pos in enumerate(scored):
@@ -156,7 +156,7 @@ def _forkkv_rows(seqs: list[Sequence], first: tuple[int, int], row_seq: list[int
     meta = build_attention_metadata([s - ordinal for s in row_seq[row:]], positions[row:], writes[row:],
                                     tables[ordinal:], block_size, device)
     stack = [residual_index[s.adapter_slot] for s in seqs[ordinal:]]
-    residual = build_residual_metadata(meta, [s.res_table for s in seqs[ordinal:]], block_size, stack, device)
+    residual = build_residual_metadata(meta, [s.residual.table for s in seqs[ordinal:]], block_size, stack, device)
     group_rows: dict[int, list[int]] = {}
     for r, s in enumerate(row_seq[row:]):
         group_rows.setdefault(stack[s - ordinal], []).append(r)

@@ -5,7 +5,9 @@
 One thread steps them all, one engine after another, so two forwards never run at once (on
 a small CPU two torch threads only fight over the cores). Without lending every engine keeps
 its own fixed pool, a static partition of the memory; with a lending object (SwiftCache,
-:mod:`.cache.lending`) idle blocks move between the pools between steps.
+:mod:`.cache.lending`) idle blocks move between the pools between steps, each engine taking
+part through the :class:`~.lender.EngineLender` the co-location holds for it. Building the
+engines of a co-location (:func:`build_colocation`, :func:`colocate`) happens here too.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import KvshareError
-from .config import EngineConfig
 from .adapters import LoadedAdapter
+from .cache.lending import Lending as SwiftCacheLending
+from .config import EngineConfig
 from .engine import LLMEngine, RequestOutput
 from .hints import AgentHints
+from .lender import EngineLender, build_arena, lenders_of, stream_split
 from .output import error_output
 from .sampling import SamplingParams
 
@@ -49,12 +53,22 @@ class Colocation:
         if not engines:
             raise KvshareError("a co-location needs at least one model")
         self.engines = dict(engines)
+        self.lenders: dict[str, EngineLender] = lenders_of(self.engines)  # each engine's side of lending
         self.lending = lending
         self._owner: dict[str, str] = {}  # request id -> served base name, to route aborts
         self._ids = itertools.count()
         for base, engine in self.engines.items():
             for adapter in engine.adapters():
                 self._check_free(adapter.name, base)
+
+    @classmethod
+    def of(cls, engine: LLMEngine | Colocation, name: str | None = None) -> Colocation:
+        """``engine`` as a co-location: a Colocation as it is, else one engine served as
+        ``name`` (default: its model name). What takes either (the driver, metrics, the
+        server) goes through here."""
+        if isinstance(engine, Colocation):
+            return engine
+        return cls({name or engine.model_name: engine})
 
     def _check_free(self, name: str, base: str) -> None:
         """Refuse ``name`` as an adapter of ``base`` if it names a base or another engine's adapter."""
@@ -182,15 +196,34 @@ class Colocation:
 
 def build_colocation(models: list[ModelSpec], lending: bool = False) -> Colocation:
     """The engines of ``models`` in one Colocation: each with its own fixed KV pool, or, with
-    ``lending``, sharing one arena through SwiftCache's lending (:mod:`.cache.lending`)."""
+    ``lending``, sharing one arena through SwiftCache's lending (:func:`colocate`)."""
     served = [name for *_, name in models]
     twice = sorted({name for name in served if served.count(name) > 1})
     if twice:
         raise KvshareError(f"served model name {twice[0]!r} is used by two co-located models")
     if lending:
-        try:
-            from .cache.lending import colocate
-        except ImportError:
-            raise KvshareError("lending is not available in this build") from None
         return colocate(models, lending=True)
     return Colocation({name: LLMEngine(model, adapters, config) for model, adapters, config, name in models})
+
+
+def colocate(models: list[ModelSpec], lending: bool) -> Colocation:
+    """Engines for ``models`` ((model, adapter dirs, config, served name) each) in one arena:
+    each starts with its configured KV memory as its home share; with ``lending`` they lend
+    each other idle blocks, else the arena stays a static partition."""
+    engines, configs = {}, {}
+    for model, adapters, config, name in models:
+        if name in engines:
+            raise KvshareError(f"two co-located models are served as {name!r}")
+        if config.kv_stream and not lending:
+            raise KvshareError(f"{name!r}: the layer-stream cache streams lent memory; it needs lending")
+        engines[name] = LLMEngine(model, adapters, config.updated(kv_cache_tokens=config.block_size,
+                                                                  kv_cache_bytes=None))
+        configs[name] = config
+    colocation = Colocation(engines)
+    home = {name: lender.home_blocks(configs[name]) for name, lender in colocation.lenders.items()}
+    stream_rows = {}
+    for name in [name for name, config in configs.items() if config.kv_stream]:
+        home[name], stream_rows[name] = stream_split(engines, home, name)
+    arena = build_arena(colocation.lenders, home, stream_rows)
+    colocation.lending = SwiftCacheLending(arena, colocation.lenders) if lending else None
+    return colocation

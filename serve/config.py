@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 
 from ..errors import KvshareError
+from ..kinds import KV_LAYOUTS
 
 # the compiled CPU step's batch buckets (a step's rows are padded up to the next one); each
 # compiles on first use, about a minute per graph for SmolLM2 on 2 cores (seconds in a later
@@ -70,8 +71,9 @@ class EngineConfig:
         if self.compile_max_rows not in COMPILE_BUCKETS:
             raise KvshareError(f"compile_max_rows must be one of {', '.join(map(str, COMPILE_BUCKETS))}, "
                                f"not {self.compile_max_rows}")
-        if self.kv_layout not in ("exact", "forkkv", "full_reuse"):
-            raise KvshareError(f"kv_layout must be exact, forkkv or full_reuse, not {self.kv_layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise KvshareError(f"kv_layout must be {', '.join(KV_LAYOUTS[:-1])} or {KV_LAYOUTS[-1]}, "
+                               f"not {self.kv_layout!r}")
         if self.forkkv_max_rank < 1 or (self.forkkv_residual_tokens is not None and self.forkkv_residual_tokens < 1):
             raise KvshareError("forkkv_max_rank and forkkv_residual_tokens must be at least 1")
 
@@ -133,7 +135,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_default_help: st
     g.add_argument("--workflow-idle-s", type=float, default=120.0,
                    help="with --workflow-admission: a workflow whose last call named a next one, but which sent "
                    "none for this many seconds, is taken as gone and frees its place (default 120)")
-    g.add_argument("--kv-layout", choices=["exact", "forkkv", "full_reuse"], default="exact",
+    g.add_argument("--kv-layout", choices=KV_LAYOUTS, default="exact",
                    help="KV of lora adapters: exact (private, default), forkkv (ForkKV: base part shared "
                    "among lora agents, rank-r residual private; approximate, saves memory) or full_reuse "
                    "(whole KV shared as-is: a quality baseline, wrong by construction)")

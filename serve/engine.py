@@ -7,7 +7,9 @@ schedule -> run -> postprocess: the scheduler picks work and plans its rows
 device with its kernels and samples (:mod:`.runner`), and the scheduler advances, publishes
 completed blocks to the prefix cache (:mod:`.cache`) and finishes sequences; the engine
 turns them into :class:`RequestOutput` (:mod:`.output`). Callers (server, benchmarks, eval)
-use only the methods here, never the cache or scheduler.
+use only the methods and properties here, never the runner, cache or scheduler; what the
+engine reports is built in :mod:`.engine_stats`, and its side of SwiftCache lending
+between co-located engines is :class:`~.lender.EngineLender`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,17 +34,20 @@ from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
 from .batch import StepPlan
 from .cache import AgentTable, BlockManager, HostTier, make_policy
-from .cache.arena import KVArena
-from .cache.lending import KVDemand
+from .cache.arena import BlockShape
 from .cache.residual import ResidualCache
 from .config import EngineConfig
+from .engine_stats import engine_stats, kv_usage
 from .hints import AgentHints
+from .kv_layout import layout_named
+from .model import Model
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
 from .runner import DTYPES, ModelRunner, resolve_device
 from .sampler import allowed_mask
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+from .step_buckets import BucketedStep
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "EngineConfig"]
 
@@ -96,8 +103,8 @@ class LLMEngine:
                                     compiled.buckets if compiled is not None else (), admission,
                                     config.max_loras if compiled is not None else None)
         self._adapters = AdapterSet(self.model_dir, self.dtype, self.device)
-        self._adapters.default_kv_layout = config.kv_layout
-        if config.kv_layout == "forkkv":
+        self._adapters.default_layout = layout_named(config.kv_layout)
+        if self._adapters.default_layout.uses_residual_pool:
             self._ensure_residual_pool()
         for path in adapters:
             self._adapters.load(path)
@@ -124,7 +131,7 @@ class LLMEngine:
 
     def install_adapter(self, adapter: LoadedAdapter) -> str:
         """Serve a :meth:`prepare_adapter`-d adapter (cheap; on the thread that steps the engine)."""
-        if adapter.kv_layout == "forkkv":
+        if adapter.layout.uses_residual_pool:
             self._ensure_residual_pool()
         return self._adapters.install(adapter)
 
@@ -208,7 +215,7 @@ class LLMEngine:
         tokens = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise KvshareError("the prompt is empty")
-        vocab = self.runner.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise KvshareError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
@@ -226,7 +233,7 @@ class LLMEngine:
         if needed > limit:
             raise KvshareError(f"request needs {needed} KV blocks; the pool has {limit}"
                                + (" with every block the co-located engines may lend" if self.max_kv_blocks else ""))
-        if adapter is not None and self.adapter(adapter).kv_layout == "forkkv" and \
+        if adapter is not None and self.adapter(adapter).layout.uses_residual_pool and \
                 needed > self._blocks.residual.num_blocks:
             raise KvshareError(f"request needs {needed} ForkKV residual blocks; the residual pool has "
                                f"{self._blocks.residual.num_blocks}")
@@ -247,7 +254,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.allowed_token_ids is not None:  # once here, not at every step of the request
-            seq.allowed_mask = allowed_mask(params.allowed_token_ids, vocab, self.runner.device)
+            seq.allowed_mask = allowed_mask(params.allowed_token_ids, vocab, self.device)
         self.sequences[request_id] = seq
         seq.agent = self._agents.on_request(hints)
         self._scheduler.add(seq)
@@ -258,7 +265,7 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """Prompt + output tokens one request may have: the context, or the KV pool (with every
         block co-located engines may lend) where that is smaller."""
-        return min(self.max_model_len, (self.max_kv_blocks or self._blocks.num_blocks) * self.config.block_size)
+        return min(self.max_model_len, (self.max_kv_blocks or self.num_kv_blocks) * self.config.block_size)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now (its blocks freed); ``reason`` "error" counts it as failed."""
@@ -411,6 +418,41 @@ class LLMEngine:
     def block_size(self) -> int:
         return self._blocks.block_size
 
+    @property
+    def block_shape(self) -> BlockShape:
+        """What one KV block holds (layers, KV heads, head size, tokens, dtype) and its bytes."""
+        return self.runner.block_shape()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV pool this engine holds now (co-located: its share of the arena)."""
+        return self._blocks.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to ``vocab_size - 1`` (the embedding's rows)."""
+        return self.runner.vocab_size
+
+    @property
+    def model(self) -> Model:
+        """The base model's weights, for benchmarks and tests that look at them."""
+        return self.runner.model
+
+    @property
+    def compiled_step(self) -> BucketedStep | None:
+        """The compiled CPU step or CUDA graphs that small steps run through (None: eager)."""
+        return self.runner.compiled
+
+    @contextmanager
+    def eager_steps(self) -> Iterator[None]:
+        """Run every step eager inside the block (a benchmark that times nothing need not
+        compile a graph for each of its batch sizes)."""
+        compiled, self.runner.compiled = self.runner.compiled, None
+        try:
+            yield
+        finally:
+            self.runner.compiled = compiled
+
     def num_waiting(self) -> int:
         return len(self._scheduler.waiting)
 
@@ -434,72 +476,6 @@ class LLMEngine:
         """Requests whose prompt is not fully computed yet (waiting ones included)."""
         return self.num_waiting() + sum(1 for s in self._scheduler.running if s.num_computed < len(s.prompt))
 
-    # co-location (SwiftCache: :mod:`.cache.lending`) -----------------------------------------
-    def join_arena(self, arena: KVArena, name: str, stream_rows: int = 0) -> None:
-        """Move this engine's KV into ``arena`` (which it shares with co-located engines) and
-        start with the blocks of the units ``name`` holds there. ``stream_rows``: keep only a
-        layer buffer of that many one-layer blocks locally and stream every layer from the
-        arena (SwiftCache's layer-stream cache). Needs an idle engine."""
-        if self.sequences:
-            raise KvshareError("join_arena needs an idle engine")
-        self._land_loads("join_arena")  # a prefetch's loads write the old memory
-        if stream_rows and self._blocks.residual is not None:  # before anything moves
-            raise KvshareError("the layer-stream cache does not serve ForkKV adapters")
-        view = arena.view(name)
-        self.runner.use_kv_memory(view)
-        if stream_rows:
-            self.runner.stream_kv(stream_rows, self.config.stream_bandwidth_gbps)
-        self._blocks.reset(view.shape[0], owned=arena.owned_blocks(name))
-        if self._blocks.tier is not None:  # only now: its loads wrote the old pool's block ids
-            self._blocks.tier.device_kv = view
-        if self._blocks.residual is not None and self.config.forkkv_residual_tokens is None:
-            self._blocks.residual = None  # its default size: from the blocks held now, not those it was built with
-            self._ensure_residual_pool()
-
-    def kv_demand(self) -> KVDemand:
-        """Blocks the requests here need to take their next step: the running ones (the
-        distinct blocks they hold, a shared prefix once, and those each needs for one more
-        token) and the oldest waiting one (its whole prompt, cached prefixes counted as if
-        absent)."""
-        need = self._blocks.blocks_needed
-        held = {b for s in self._scheduler.running for b in s.block_table}
-        running = len(held) + sum(max(0, need(len(s) + 1) - len(s.block_table)) for s in self._scheduler.running)
-        if not self._scheduler.waiting:
-            return KVDemand(running)
-        head = self._scheduler.waiting[0]
-        return KVDemand(running, need(len(head) + 1), min(s.arrival for s in self._scheduler.waiting))
-
-    def kv_blocks_owned(self) -> int:
-        return self._blocks.num_blocks
-
-    def stream_stats(self) -> dict:
-        """The layer-stream cache's loads, write-backs and stalls (nothing without one)."""
-        stream = self.runner.stream
-        return {} if stream is None else {"stream_" + k: v for k, v in vars(stream.stats).items()}
-
-    def grant_kv_blocks(self, block_ids: list[int]) -> None:
-        """Blocks of the arena this engine may use from now on (lent, or given back)."""
-        self._blocks.grant(block_ids)
-
-    def kv_blocks_busy(self, block_ids: list[int]) -> list[int]:
-        """Those of ``block_ids`` a request holds now."""
-        return self._blocks.busy(block_ids)
-
-    def release_kv_blocks(self, block_ids: list[int], preempt: bool) -> int | None:
-        """Give blocks back to the arena; returns how many requests were preempted for it, or
-        None when nothing was released. Idle cached blocks are evicted; requests holding one
-        are preempted (recomputed later) if ``preempt``, else nothing is released. None also
-        when some stay held (e.g. by a host-tier load in flight): try again later."""
-        preempted = 0
-        if self._blocks.busy(block_ids):
-            if not preempt or self._blocks.loading_into(block_ids):
-                return None  # a load in flight would keep its block after the preemptions
-            preempted = self._scheduler.evacuate(block_ids)
-            if self._blocks.busy(block_ids):
-                return None
-        self._blocks.withdraw(block_ids)
-        return preempted
-
     def forget_workflows(self) -> None:
         """Forget what workflow admission learned (the workflows seen, the footprints of those
         that ended), so that a benchmark's next point starts as a fresh server would."""
@@ -508,74 +484,18 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block and zero the cache statistics (no request may be running)."""
-        self._land_loads("reset_prefix_cache")
+        self._blocks.land_loads("reset_prefix_cache")
         self._blocks.reset()
-
-    def _land_loads(self, why: str, timeout: float = 60.0) -> None:
-        """Let the host tier's loads in flight land and be collected (a prefetch the last step
-        started: each holds a block until then), before ``why`` changes the pool under them."""
-        deadline = time.monotonic() + timeout
-        while self._blocks.loads_in_flight():
-            if time.monotonic() > deadline:
-                raise KvshareError(f"{why}: host-tier loads did not land within {timeout:g} s")
-            self._blocks.wait_for_loads(1.0)
-            self._blocks.poll_loads()
 
     def kv_usage(self) -> dict:
         """Per pool: blocks in total, in use, shared, private, unsealed, cached-idle, and the
         blocks holding KV (in use or kept for reuse) and their bytes."""
-        usage = self._blocks.usage()
-        holding = self._blocks.num_holding_kv
-        usage.update(blocks_holding_kv=holding, bytes_holding_kv=holding * self.block_size * self.kv_bytes_per_token)
-        pools = {"kv": usage}
-        residual = self._blocks.residual
-        if residual is not None:
-            res = residual.usage()
-            per_block = self.runner.residual_cache[:, :, 0].numel() * self.runner.residual_cache.element_size()
-            res.update(blocks_holding_kv=residual.num_holding, bytes_holding_kv=residual.num_holding * per_block)
-            pools["forkkv_residual"] = res
-        return pools
+        return kv_usage(self._blocks, self.kv_bytes_per_token, self.runner.residual_block_bytes)
 
     def stats(self) -> dict:
-        cache = self._blocks.stats
-        return {
-            **self.counters, **self._blocks.usage(),
-            "prefix_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
-            "prefix_hit_tokens": cache.hit_tokens, "prefix_queried_tokens": cache.queried_tokens,
-            **{f"prefix_hit_tokens_{kind}": n for kind, n in cache.hit_tokens_by_kind.items()},
-            "evictions": cache.evictions,
-            **self.forkkv_stats(),
-            "preemptions": self._scheduler.preemptions, **self.host_tier_stats(), **self.admission_stats(),
-            "waiting": self.num_waiting(), "running": self.num_running(),
-        }
-
-    def admission_stats(self) -> dict:
-        """Workflows admitted and live now, how often calls of new ones were held back, and how
-        many wait held now (nothing without workflow admission)."""
-        admission = self._scheduler.admission
-        if admission is None:
-            return {}
-        return {"workflows_admitted": admission.admitted, "admission_holds": admission.held,
-                "admission_held_waiting": self.num_held()}
-
-    def forkkv_stats(self) -> dict:
-        """The ForkKV residual pool's hits and evictions (nothing without the pool)."""
-        residual = self._blocks.residual
-        if residual is None:
-            return {}
-        return {"forkkv_base_read_tokens": self._blocks.stats.forkkv_base_read_tokens,
-                "forkkv_residual_hit_tokens": residual.stats.hit_tokens,
-                "forkkv_residual_evictions": residual.stats.evictions}
-
-    def host_tier_stats(self) -> dict:
-        """Blocks and bytes the host tier moved, and how much of the prompts it served."""
-        tier = self._blocks.tier
-        if tier is None:
-            return {}
-        return {"host_" + k: v for k, v in vars(tier.stats).items()} | {
-            "host_hit_tokens": self._blocks.stats.host_hit_tokens,
-            "host_blocks_total": tier.num_blocks, "host_blocks_used": len(tier.index),
-            "host_loads_in_flight": self._blocks.loads_in_flight()}
+        """Counters, the pool's usage, prefix-cache hits (by the kind of KV reused) and evictions,
+        preemptions, and the figures of the ForkKV pool, host tier and workflow admission."""
+        return engine_stats(self.counters, self._blocks, self._scheduler, self.num_held())
 
 
 class LLM:

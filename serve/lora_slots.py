@@ -58,7 +58,7 @@ def _stack_rank(rank: int, max_rank: int) -> int:
 def _adapted_parts(adapter: LoadedAdapter) -> set[str]:
     """The projections whose stacks take ``adapter``'s weights: a ForkKV adapter's k/v LoRA
     goes to its residual pool, never into K/V (as ``AdapterSet._fuse``)."""
-    skip = ("k_proj", "v_proj") if adapter.kv_layout == "forkkv" else ()
+    skip = adapter.layout.residual_projections
     return {name for _, name in adapter.weights if name in PARTS and name not in skip}
 
 

@@ -117,6 +117,12 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.embed.shape[0]
 
+    @property
+    def residual_block_bytes(self) -> int:
+        """Bytes of one block of ForkKV's residual pool (0 without the pool)."""
+        pool = self.residual_cache
+        return 0 if pool is None else pool[:, :, 0].numel() * pool.element_size()
+
     def split(self, plans: list[StepPlan], adapters: AdapterSet) -> list[list[StepPlan]]:
         """The groups of plans one step runs as separate forwards (:meth:`CompiledStep.split`)."""
         if self.compiled is None:

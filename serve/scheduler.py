@@ -100,7 +100,8 @@ class Scheduler:
         is the newest itself (then it waits, as in vLLM: an older sequence, planned already,
         never gives way to a younger one). ``forkkv_only``: the residual pool is short, and
         only ForkKV sequences hold its blocks."""
-        newest = max((s for s in self.running if s.forkkv or not forkkv_only or s is keep), key=lambda s: s.arrival)
+        newest = max((s for s in self.running if s.layout.uses_residual_pool or not forkkv_only or s is keep),
+                     key=lambda s: s.arrival)
         if newest is keep:
             return False
         self._preempt(newest)
@@ -184,7 +185,7 @@ class Scheduler:
             if self.admission is not None and not self.admission.allows(seq, behind_held=held_new):
                 held_new = True
                 continue  # a new workflow's call: the calls of workflows already admitted go first
-            if residual_stalled and seq.forkkv:
+            if residual_stalled and seq.layout.uses_residual_pool:
                 continue  # its residual pool is short for a running request: the others may go
             if not self._adapter_fits(seq, adapters):
                 break  # one adapter more than a step holds: it waits for one to be free, first in line

@@ -10,6 +10,7 @@ import torch
 
 from ..kinds import BASE, KindSpec
 from .hints import AgentHints
+from .kv_layout import KVLayout, ResidualState, layout_of
 from .sampling import SamplingParams
 
 
@@ -42,12 +43,7 @@ class Sequence:
     # the key that block is stored under: chain_key, except where ForkKV resumed on an exact
     # base block (stored under the base's key); the eviction tree links the next block to it
     parent_key: bytes | None = None
-    # ForkKV (spec.kv_layout == "forkkv"): the private rank-r residual lives in its own pool
-    res_table: list[int] = field(default_factory=list)  # residual-pool blocks
-    res_hashed_blocks: int = 0  # leading residual blocks registered in the residual index
-    res_chain_key: bytes | None = None
-    base_cached: int = 0  # leading tokens whose base part came from the cache (not rewritten)
-    res_cached: int = 0  # leading tokens whose residual came from the cache (not rewritten)
+    residual: ResidualState | None = None  # ForkKV: its private rank-r residual's blocks, while it holds them
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
@@ -66,8 +62,9 @@ class Sequence:
     detokenizer: object | None = None  # output.IncrementalDetokenizer, set by the engine
 
     @property
-    def forkkv(self) -> bool:
-        return self.spec.kv_layout == "forkkv"
+    def layout(self) -> KVLayout:
+        """The KV layout its kind's spec serves it with (exact, forkkv, full_reuse)."""
+        return layout_of(self.spec)
 
     @property
     def tokens(self) -> list[int]:

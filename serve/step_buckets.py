@@ -74,7 +74,7 @@ class BucketedStep:
             return [plans]
         few, rest, rows = [], [], 0
         for plan in plans:
-            fits = not plan.seq.forkkv and rows + plan.num_rows <= self.buckets[-1]
+            fits = not plan.seq.layout.uses_residual_pool and rows + plan.num_rows <= self.buckets[-1]
             (few if fits else rest).append(plan)
             rows += plan.num_rows if fits else 0
         if not few or not rest or not self.serves_adapters([p.seq.adapter_slot for p in few

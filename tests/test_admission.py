@@ -204,7 +204,7 @@ def test_co_located_engines_admit_by_the_blocks_they_hold_now(base, tokenizer):
     """Co-located engines are built with one block and given their share of the arena after:
     admission sizes the pool when it decides, not when the engine was built (it held every
     second workflow back behind the first)."""
-    from kvshare.serve.cache.lending import colocate
+    from kvshare.serve.colocate import colocate
     from kvshare.serve.config import EngineConfig
 
     config = EngineConfig(block_size=4, compile="off", workflow_admission=True)

@@ -289,8 +289,6 @@ def test_serve_colocate_builds_each_model_with_its_own_pool(cli, bases, adapter_
 
 
 def test_serve_colocate_mistakes_are_one_line_errors(cli, bases, adapter_dirs, monkeypatch):
-    import kvshare.serve.cache.lending as lending_module
-
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("no server may start"))
     base, other = str(bases["alpha"]), str(bases["beta"])
     for spec, fragment in (("{not json", "invalid JSON"), ('["a"]', "must be a JSON object"),
@@ -308,8 +306,6 @@ def test_serve_colocate_mistakes_are_one_line_errors(cli, bases, adapter_dirs, m
     clash = json.dumps({"model": other, "adapters": [str(adapter_dirs["lora-a-on-beta"])]})
     assert_one_line_error(cli("serve", base, "--adapter", adapter_dirs["lora-a"], "--kv-cache-tokens", "256",
                               "--colocate", clash), "'lora-a'", "unique across co-located")
-    monkeypatch.delattr(lending_module, "colocate", raising=False)  # a build without SwiftCache's builder
-    assert_one_line_error(cli("serve", base, "--colocate", twice, "--lending"), "lending is not available")
 
 
 def test_serve_colocate_with_lending_serves_beyond_a_models_own_pool(cli, bases, monkeypatch):

@@ -162,7 +162,7 @@ def test_the_benchmark_says_when_a_fast_step_gave_up():
     from kvshare.eval.perf.engine import _how_steps_ran
 
     def llm(compiled):
-        return SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(compiled=compiled)))
+        return SimpleNamespace(engine=SimpleNamespace(compiled_step=compiled))
 
     assert _how_steps_ran(llm(None)) == "eager"
     assert _how_steps_ran(llm(SimpleNamespace(unavailable=None, steps=7))) == "compiled step (7 steps)"
@@ -180,7 +180,7 @@ def test_the_benchmark_says_which_lora_kernel_the_graphs_took(monkeypatch):
 
     graphed = GraphedStep.__new__(GraphedStep)
     graphed.unavailable, graphed.steps, graphed.lora_kernel = None, 5, "fused"
-    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(compiled=graphed)))
+    llm = SimpleNamespace(engine=SimpleNamespace(compiled_step=graphed))
     monkeypatch.setattr(linear_lora, "_failed", None)
     assert _how_steps_ran(llm) == "CUDA graphs (5 steps; LoRA: fused)"
     monkeypatch.setattr(linear_lora, "_failed", "RuntimeError: no")
@@ -210,7 +210,7 @@ def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
     for prompt in ([5, 10 ** 6], [5, -1], [5, 2 ** 63]):
         with pytest.raises(KvshareError, match="outside the vocabulary"):
             engine.add_request(prompt, SamplingParams(max_tokens=2))
-    vocab = engine.runner.vocab_size
+    vocab = engine.vocab_size
     for name in ("logprobs", "prompt_logprobs"):  # checked before any step (topk would fail there)
         with pytest.raises(KvshareError, match="vocabulary"):
             engine.add_request([5, 6], SamplingParams(max_tokens=2, **{name: vocab + 1}))
@@ -225,7 +225,7 @@ def test_bad_sampling_values_and_token_ids_are_clear_errors(base):
 
 def test_a_context_past_the_models_positions_and_an_unknown_device_are_clear_errors(base, monkeypatch):
     engine = LLM(base, kv_cache_tokens=64, block_size=4).engine
-    positions = engine.runner.model.config.max_position_embeddings
+    positions = engine.model.config.max_position_embeddings
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     with pytest.raises(KvshareError, match="max_position_embeddings"):
         LLM(base, kv_cache_tokens=64, block_size=4, max_model_len=positions + 1)

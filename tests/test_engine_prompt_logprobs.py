@@ -96,8 +96,8 @@ def test_scoring_steps_keep_to_the_token_budget(base, adapters, tokenizer, name,
     budget = 8
     llm = LLM(base, list(adapters.values()), kv_cache_tokens=4096, block_size=4, max_num_batched_tokens=budget)
     sizes = []
-    forward = llm.engine.runner.model.forward
-    monkeypatch.setattr(llm.engine.runner.model, "forward", lambda batch, *a: sizes.append(len(batch.tokens)) or forward(batch, *a))
+    forward = llm.engine.model.forward
+    monkeypatch.setattr(llm.engine.model, "forward", lambda batch, *a: sizes.append(len(batch.tokens)) or forward(batch, *a))
     out = llm.generate([prompt], SCORE, adapter=name)[0]
     assert max(sizes) <= budget
     if name == "icarus-a":  # two rows per scored token, so at least twice the steps of plain prefill

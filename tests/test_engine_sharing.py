@@ -9,7 +9,7 @@ import pytest
 
 from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.adapters import find_invocation_start
-from kvshare.serve.cache.layout import FORKKV_BASE
+from kvshare.serve.kv_layout import FORKKV_BASE
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -144,8 +144,8 @@ def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer,
                 owner = expected_owner(kind, digest, (index + 1) * BS, seq.invocation_start)
                 assert block.owner == owner, (seq.adapter, index, block.owner)
             checked_blocks += 1
-        for index in range(seq.res_hashed_blocks):
-            assert residual_writer[seq.res_table[index]] == digest, (seq.adapter, index)
+        for index in range(seq.residual.hashed_blocks if seq.residual is not None else 0):
+            assert residual_writer[seq.residual.table[index]] == digest, (seq.adapter, index)
             checked_residuals += 1
 
     blocks.allocate = checked_allocate
@@ -153,9 +153,9 @@ def test_random_mixed_requests_never_breach_isolation(base, adapters, tokenizer,
         publish = blocks.residual.register_computed
 
         def recorded_publish(seq):
-            published = seq.res_hashed_blocks
+            published = seq.residual.hashed_blocks
             publish(seq)
-            for block_id in seq.res_table[published:seq.res_hashed_blocks]:
+            for block_id in seq.residual.table[published:seq.residual.hashed_blocks]:
                 residual_writer[block_id] = seq.adapter_digest
 
         blocks.residual.register_computed = recorded_publish

@@ -196,6 +196,20 @@ def test_forkkv_is_refused_where_it_cannot_hold(base, adapters, tiny_models):
         LLM(base, [], kv_layout="forked")
 
 
+def test_every_layout_name_resolves_to_its_one_row():
+    """The public names (kinds.KV_LAYOUTS: EngineConfig, load_adapter, --kv-layout) each have
+    one KVLayout row, and a lora spec served under a name is served with that row."""
+    from kvshare.kinds import KV_LAYOUTS, serving_spec
+    from kvshare.serve.kv_layout import LAYOUTS, layout_named, layout_of
+
+    assert tuple(LAYOUTS) == KV_LAYOUTS
+    for name in KV_LAYOUTS:
+        assert layout_named(name).name == name and layout_of(serving_spec("lora", name)) is layout_named(name)
+    assert [n for n in KV_LAYOUTS if layout_named(n).uses_residual_pool] == ["forkkv"]
+    with pytest.raises(KvshareError, match="unknown kv_layout"):
+        layout_named("fork")
+
+
 def test_full_reuse_shares_whole_kv_among_its_agents_only(base, adapters, tokenizer):
     """The quality baseline: lora-b reads lora-a's whole K/V (so it hits everything), and no
     exact kind or ForkKV agent ever reads it."""
@@ -230,7 +244,7 @@ def test_hidden_states_show_where_shared_kv_diverges(base, adapters, tokenizer):
     cosine = {k: torch.nn.functional.cosine_similarity(v, states["exact"], dim=-1) for k, v in states.items()}
     assert cosine["forkkv"].min() > cosine["full_reuse"].min()
     assert cosine["forkkv"].mean() < 1 - 1e-7  # the shared part is not lora-b's own: not exact
-    assert states["exact"].shape == (alone.engine.runner.model.n_layers, alone.engine.runner.model.config.hidden_size)
+    assert states["exact"].shape == (alone.engine.model.n_layers, alone.engine.model.config.hidden_size)
 
 
 def test_forkkv_agents_through_the_server_and_the_workflow_runtime(base, adapters, tokenizer):
@@ -298,7 +312,7 @@ def test_a_short_residual_pool_preempts_forkkv_agents_only(base, adapters, token
     tight = forkkv_llm(base, adapters, forkkv_residual_tokens=7 * BS)
     scheduler, preempted = tight.engine._scheduler, []
     real_preempt = scheduler._preempt
-    scheduler._preempt = lambda seq: preempted.append(seq.forkkv) or real_preempt(seq)
+    scheduler._preempt = lambda seq: preempted.append(seq.layout.uses_residual_pool) or real_preempt(seq)
     ids = [tight.engine.add_request(p, params, adapter=a) for p, a in requests]
     done = {}
     while tight.engine.has_unfinished():

@@ -96,7 +96,7 @@ def test_weights_the_kernel_cannot_take_stay_float():
 
 
 def _model(llm):
-    return llm.engine.runner.model
+    return llm.engine.model
 
 
 @pytest.mark.parametrize("name", [None, "lora-a", "icarus-a"])

@@ -130,7 +130,7 @@ def test_the_backend_is_offered_for_linear_only():
 
 
 def _model(llm):
-    return llm.engine.runner.model
+    return llm.engine.model
 
 
 def test_engine_quantises_the_base_projections_and_nothing_else(tiny_models, base, adapters):

@@ -221,4 +221,4 @@ def test_min_tokens_hold_off_every_stop_in_the_engine(base, tokenizer):
     allowed = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=[5, 6]))[0]
     assert set(allowed.token_ids) <= {5, 6}
     with pytest.raises(KvshareError, match="allowed_token_ids"):
-        llm.generate([prompt], SamplingParams(allowed_token_ids=[llm.engine.runner.vocab_size]))
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[llm.engine.vocab_size]))

@@ -42,7 +42,7 @@ def _wait_idle(engine: LLMEngine, timeout: float) -> float:
 def test_allowed_token_ids_are_at_most_the_vocabulary_and_in_it(server):
     """A list longer than the vocabulary (4 MB of ids with n=4 stalled every other request for
     a minute) or with an id outside it is a 400; repeated ids are one."""
-    vocab = server["engine"].runner.vocab_size
+    vocab = server["engine"].vocab_size
     body = {"model": "tiny-base", "prompt": "a", "max_tokens": 3, "ignore_eos": True}
     for ids, words in (([5] * (vocab + 1), f"at most the vocabulary size {vocab}"),
                        ([5, vocab], "outside the vocabulary")):

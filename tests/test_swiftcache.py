@@ -14,7 +14,10 @@ import torch
 from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine, SamplingParams
 from kvshare.serve.cache.arena import BlockShape, KVArena
-from kvshare.serve.cache.lending import Lending, build_arena
+from kvshare.serve.cache.lending import Lending
+from kvshare.serve.colocate import colocate
+from kvshare.serve.config import EngineConfig
+from kvshare.serve.lender import EngineLender, build_arena, lenders_of
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -28,8 +31,9 @@ def engines_in_arena(base, adapters, homes: dict[str, int], block_sizes: dict[st
     block_sizes = block_sizes or {}
     engines = {name: LLMEngine(base, list(adapters.values()), kv_cache_tokens=16,
                                block_size=block_sizes.get(name, 4)) for name in homes}
-    arena = build_arena(engines, homes)
-    return engines, arena, (Lending(arena, engines, **lend_args) if lending else None)
+    lenders = lenders_of(engines)
+    arena = build_arena(lenders, homes)
+    return engines, arena, (Lending(arena, lenders, **lend_args) if lending else None)
 
 
 def drive(engines: dict[str, LLMEngine], lending: Lending | None, check=None) -> dict[tuple[str, str], list[int]]:
@@ -166,8 +170,9 @@ def test_a_reclaim_takes_idle_units_before_preempting_anyone(base):
     """The borrower's busy blocks sit in the lowest units (its free list hands out the lowest
     id first): a reclaim that walked units in order would preempt it needlessly."""
     engines = {name: LLMEngine(base, kv_cache_tokens=16, block_size=4) for name in ("big", "small")}
-    arena = build_arena(engines, {"big": 2, "small": 24})
-    lending = Lending(arena, engines)
+    lenders = lenders_of(engines)
+    arena = build_arena(lenders, {"big": 2, "small": 24})
+    lending = Lending(arena, lenders)
     big, small = engines["big"], engines["small"]
     big.add_request(list(range(10, 70)), SamplingParams(max_tokens=2, ignore_eos=True))  # borrows, ends soon
     big.add_request(list(range(100, 110)), SamplingParams(max_tokens=60, ignore_eos=True))  # keeps decoding
@@ -224,8 +229,6 @@ def test_a_request_longer_than_every_lendable_block_is_a_clear_error(base, adapt
 
 
 def test_colocate_builds_engines_over_one_arena_and_serves_through_the_driver(base, adapters, tokenizer):
-    from kvshare.serve.cache.lending import colocate
-    from kvshare.serve.config import EngineConfig
 
     config = EngineConfig(block_size=4)
     colo = colocate([(str(base), [], config.updated(kv_cache_tokens=48), "long"),
@@ -262,8 +265,6 @@ def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters,
     import threading
 
     from kvshare.serve.cache import layer_stream
-    from kvshare.serve.cache.lending import colocate
-    from kvshare.serve.config import EngineConfig
 
     writers = []
     write = layer_stream.write_kv_ref
@@ -278,14 +279,14 @@ def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters,
     colo = colocate([(str(base), paths, config.updated(kv_cache_tokens=48, kv_stream=True), "long"),
                      (str(base), [], config.updated(kv_cache_tokens=160), "agents")], lending=True)
     long = colo.engines["long"]
-    assert long.runner.stream.buffer_rows == 24 and long.max_kv_blocks == 24 and long.kv_blocks_owned() == 0
+    assert long.runner.stream.buffer_rows == 24 and long.max_kv_blocks == 24 and long.num_kv_blocks == 0
     request = colo.add_request("long", prompt, GREEDY, adapter=adapter)  # 18-23 blocks: more than 12 whole ones
     chat = colo.add_request("agents", prompts_for(tokenizer, 1)[0], GREEDY)
     done = {}
     while colo.has_unfinished():
         done.update({o.request_id: o.token_ids for o in colo.step() if o.finished})
     assert done[request] == want and len(done[chat]) == GREEDY.max_tokens
-    stats = long.stream_stats()
+    stats = colo.lenders["long"].stream_stats()
     assert stats["stream_layers_loaded"] > 0 and stats["stream_bytes_written_back"] > 0
     assert writers and set(writers) == {"kvshare-layer-stream"}
     with pytest.raises(KvshareError, match="co-located engines may lend"):
@@ -295,8 +296,6 @@ def test_a_layer_streaming_engine_gives_the_private_pools_tokens(base, adapters,
 def test_a_co_located_forkkv_engine_sizes_its_residual_pool_from_its_share(base, adapters, tokenizer):
     """Co-located engines are built with one block; ForkKV's residual pool (default: 4x the
     KV pool) was sized from that block and refused any request of more than 4 blocks."""
-    from kvshare.serve.cache.lending import colocate
-    from kvshare.serve.config import EngineConfig
 
     config = EngineConfig(block_size=4, compile="off")
     colo = colocate([(str(base), [str(adapters["lora-a"])], config.updated(kv_cache_tokens=160, kv_layout="forkkv"),
@@ -315,8 +314,6 @@ def test_a_streaming_engine_with_more_local_memory_than_is_lent_keeps_the_rest_a
     """SwiftCache's capacity rule: local memory beyond what the others can lend is worth more
     as home blocks (streamed like lent ones) than as buffer rows nothing fills. All of it as
     buffer served no more blocks than the others lent (9 here, of 80 rows)."""
-    from kvshare.serve.cache.lending import colocate
-    from kvshare.serve.config import EngineConfig
 
     config = EngineConfig(block_size=4)
     # long: 40 blocks' bytes locally = 80 one-layer rows (2 layers); agents: 12 blocks, 9 above their floor
@@ -324,14 +321,14 @@ def test_a_streaming_engine_with_more_local_memory_than_is_lent_keeps_the_rest_a
                      (str(base), [], config.updated(kv_cache_tokens=48), "agents")], lending=True)
     long = colo.engines["long"]
     # home = (80 - 9) // 3 = 23 blocks (46 rows' bytes), buffer = 34 rows; it may hold 23 + 9 = 32 blocks
-    assert long.kv_blocks_owned() == 23 and long.runner.stream.buffer_rows == 34 and long.max_kv_blocks == 32
+    assert long.num_kv_blocks == 23 and long.runner.stream.buffer_rows == 34 and long.max_kv_blocks == 32
     prompt = long_prompt(tokenizer, 110)  # 28 blocks with its output: more than all 12 the agents have
     want = private_outputs(base, {}, [(prompt, None, GREEDY)])[0]
     request = colo.add_request("long", prompt, GREEDY)
     done = {}
     while colo.has_unfinished():
         done.update({o.request_id: o.token_ids for o in colo.step() if o.finished})
-    assert done[request] == want and long.stream_stats()["stream_layers_loaded"] > 0
+    assert done[request] == want and colo.lenders["long"].stream_stats()["stream_layers_loaded"] > 0
 
 
 def test_a_failed_streaming_step_lands_its_write_back_before_its_blocks_are_freed(base, tokenizer, monkeypatch):
@@ -340,8 +337,6 @@ def test_a_failed_streaming_step_lands_its_write_back_before_its_blocks_are_free
     import time
 
     from kvshare.serve.cache import layer_stream
-    from kvshare.serve.cache.lending import colocate
-    from kvshare.serve.config import EngineConfig
 
     events = []
     write, layer = layer_stream.write_kv_ref, layer_stream.LayerStream.layer
@@ -384,4 +379,4 @@ def test_demand_counts_a_shared_prefix_once(base):
         engine.add_request(prefix + [100 + i, 110 + i, 120 + i, 130 + i], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
     assert engine.num_running() == 3 and engine._blocks.pool.num_referenced() == 5
-    assert engine.kv_demand().total == 8
+    assert EngineLender(engine).kv_demand().total == 8

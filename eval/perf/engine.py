@@ -216,7 +216,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
                 figures = _engine_figures(llm, hf, short, batch, prefill_prompts, new_tokens, model_dir, steps)
                 _merge(figures_of_round, figures, backend, first)
                 if first:  # what does not depend on the backend is measured beside the first engine
-                    compiled = llm.engine.runner.compiled
+                    compiled = llm.engine.compiled_step
                     results["compiled"] = compiled is not None and compiled.unavailable is None
                     if venv:
                         prompts = {"decode_b1": [short], "decode_b16": batch,
@@ -248,7 +248,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
 def _how_steps_ran(llm: LLM) -> str:
     """How a backend's engine ran its steps: eager, compiled (CPU) or replayed from CUDA graphs,
     and whether those gave up on this machine (then the figures are eager ones, and say so)."""
-    fast = llm.engine.runner.compiled
+    fast = llm.engine.compiled_step
     if fast is None:
         return "eager"
     kind = "CUDA graphs" if isinstance(fast, GraphedStep) else "compiled step"
@@ -279,7 +279,7 @@ def _engine_figures(llm: LLM, hf, short: list[int], batch: list[list[int]], pref
         # loaded before the warm-up, as a deployment loads its adapters: the graph with adapters
         # is compiled for the projections this adapter adapts (ICaRus: no k/v)
         icarus = llm.engine.load_adapter(random_adapter("icarus", model_dir, tmp, "icarus-step", seed=0))
-        if llm.engine.runner.compiled is not None:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair
+        if llm.engine.compiled_step is not None:  # the timed steps: decode at 1 and 16 rows, the ICaRus pair
             start = time.perf_counter()
             llm.engine.warm_up((1, 16))
             llm.engine.warm_up((2,), adapters=True)
@@ -306,12 +306,8 @@ def _kv_bytes(llm: LLM, model_dir: Path, context: list[int]) -> dict:
     """Peak KV bytes of N ICaRus and N LoRA agents over one context, against one agent. Bytes
     do not depend on how a step is computed: these steps run eager, so no graph for 2 to 16
     rows with adapters is compiled (minutes each) for figures that time nothing."""
-    runner = llm.engine.runner
-    compiled, runner.compiled = runner.compiled, None
-    try:
+    with llm.engine.eager_steps():
         return _kv_bytes_of_agents(llm, model_dir, context)
-    finally:
-        runner.compiled = compiled
 
 
 def _kv_bytes_of_agents(llm: LLM, model_dir: Path, context: list[int]) -> dict:
@@ -354,7 +350,7 @@ def _add_vllm_figures(results: dict, venv: Path, model_dir: Path, llm: LLM, dtyp
     Its KV space is the smallest whole GiB holding our pool; its token budget per step is ours."""
     engine = llm.engine
     lengths = [len(p) for p in prompts["prefill"].values()]
-    pool_bytes = engine.runner.num_blocks * engine.config.block_size * engine.kv_bytes_per_token
+    pool_bytes = engine.num_kv_blocks * engine.block_size * engine.kv_bytes_per_token
     kv_gib = kv_space_gib(pool_bytes)
     figures = _peer_rows(results, "vllm", out_dir, lambda workdir: run_vllm_engine_probe(
         venv, model_dir, dtype, prompts, new_tokens, max_model_len=max(lengths + [32]) + new_tokens,

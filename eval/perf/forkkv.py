@@ -32,8 +32,8 @@ from .common import filler_prompt, setup, write_report as _write
 
 def kv_widths(engine: LLMEngine) -> tuple[int, int]:
     """(bytes of one token's exact K/V over all layers, n = kv_heads x head_dim)."""
-    model = engine.runner.model
-    return engine.kv_bytes_per_token, model.n_kv * model.head_dim
+    shape = engine.block_shape
+    return engine.kv_bytes_per_token, shape.kv_heads * shape.head_dim
 
 
 def same_memory_settings(base_tokens: int, width: int, rank: int, agents: int) -> dict:

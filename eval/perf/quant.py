@@ -53,7 +53,7 @@ def _hotpotqa(n_questions: int, n_paragraphs: int, tokenizer, min_tokens: int = 
 
 def _weight_bytes(llm: LLM) -> int:
     """Bytes of the embedding, the head (when it is not the embedding) and the projections."""
-    model = llm.engine.runner.model
+    model = llm.engine.model
     total = weight_bytes(model.embed)
     if model.lm_head is not model.embed:
         total += weight_bytes(model.lm_head)
@@ -191,7 +191,7 @@ def run_quant_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32"
         speed[kind][f"prefill_{prefill_tokens}"] = _prefill_rate(engines[kind], long)
     results["speed"] = speed
     steps.update()
-    gate_up = engines["torch"].engine.runner.model.layers[0]["gate_up"]
+    gate_up = engines["torch"].engine.model.layers[0]["gate_up"]
     results["kernel_timings"] = {"shape": list(gate_up.shape),
                                  "rows": _kernel_timings(gate_up.float(), (1, 16, 128))}
     steps.update()

@@ -1,12 +1,12 @@
 """``kvshare bench swiftcache``: what lending idle KV between co-located models buys.
 
 A long-context model and ``agents`` small chat engines share one KV arena
-(:func:`~kvshare.serve.cache.lending.colocate`); each engine's home share is its static
+(:func:`~kvshare.serve.colocate.colocate`); each engine's home share is its static
 partition. Modes, run one after the other in one process on the same requests:
 - ``static``: the arena stays a static partition (``colocate(..., lending=False)``);
 - ``lending``: idle blocks move between the engines (SwiftCache's elastic cache);
 - ``lending+stream``: lending, and the long model's home share becomes a layer buffer and home
-  blocks (``kv_stream``, split by :func:`kvshare.serve.cache.lending.stream_split`); every layer of
+  blocks (``kv_stream``, split by :func:`kvshare.serve.lender.stream_split`); every layer of
   its KV streams through the buffer, from its home blocks and what the agents lend. On one device
   lent blocks are directly addressable, so this mode shows the stream's cost: it pays off
   only where the lender's memory is not (another GPU), which this machine cannot show.
@@ -44,8 +44,7 @@ from tqdm import tqdm
 from ...errors import KvshareError
 from ...models import resolve_model_dir
 from ...splits import require_data_dir
-from ...serve.cache.lending import colocate
-from ...serve.colocate import Colocation
+from ...serve.colocate import Colocation, colocate
 from ...serve.config import EngineConfig
 from ...serve.sampling import SamplingParams
 from .common import percentile, setup, write_report as _write
@@ -138,7 +137,7 @@ def build(model: Path, agent_model: Path, agents: int, home_tokens: int, agent_h
 
 
 def block_bytes(colo: Colocation) -> dict[str, int]:
-    return {name: engine.runner.block_shape().block_bytes for name, engine in colo.engines.items()}
+    return {name: engine.block_shape.block_bytes for name, engine in colo.engines.items()}
 
 
 def lent_bytes(colo: Colocation, sizes: dict[str, int]) -> int:
@@ -149,7 +148,7 @@ def lent_bytes(colo: Colocation, sizes: dict[str, int]) -> int:
 def max_context(colo: Colocation) -> dict:
     """The longest request the long model accepts (one token more is refused), served for real."""
     engine = colo.engines[LONG]
-    blocks = engine.max_kv_blocks or engine.kv_blocks_owned()
+    blocks = engine.max_kv_blocks or engine.num_kv_blocks
     context = min(blocks * engine.block_size, engine.max_model_len)
     prompt_tokens = context - MAX_CONTEXT_OUTPUT
     params = SamplingParams(max_tokens=MAX_CONTEXT_OUTPUT, ignore_eos=True)
@@ -213,7 +212,7 @@ def run_mixed(colo: Colocation, arrivals: list[Arrival], bar: tqdm) -> tuple[lis
             raise KvshareError(f"no engine produced a token for {STALL_S:.0f} s with requests waiting: "
                                f"{colo.stats()}")
         timeline.append({"t_s": stepped - start, "lent_bytes": lent_bytes(colo, sizes),
-                         "long_kv_bytes": colo.engines[LONG].kv_blocks_owned() * sizes[LONG]})
+                         "long_kv_bytes": colo.engines[LONG].num_kv_blocks * sizes[LONG]})
         for out in outputs:
             if not out.finished:
                 continue
@@ -262,7 +261,7 @@ def summarize(records: list[dict], timeline: list[dict], colo: Colocation) -> di
         "reclaim_preemptions": counters.preempted if counters else 0,
         "engine_preemptions": {name: e.stats()["preemptions"] for name, e in colo.engines.items()},
         "long_requests_preempted": sum(r["preemptions"] > 0 for r in records if r["kind"] == "long"),
-        "long_stream": colo.engines[LONG].stream_stats(),  # the layer stream's loads and stalls, if any
+        "long_stream": colo.lenders[LONG].stream_stats(),  # the layer stream's loads and stalls, if any
     }
 
 
@@ -346,7 +345,7 @@ def run_swiftcache_bench(model: str = "smollm2-135m-instruct", agent_model: str 
         del colo
         gc.collect()
         colo = build(model_dir, agent_dir, agents, home_tokens, agent_home_tokens, config, mode)
-        home_blocks = {name: engine.kv_blocks_owned() for name, engine in colo.engines.items()}
+        home_blocks = {name: engine.num_kv_blocks for name, engine in colo.engines.items()}
         arrivals = arrivals or workload(colo, names, long_requests, long_qps, long_fraction, long_output, chats,
                                         chat_qps, chat_tokens, chat_output, home_tokens, seed)
         warm_up(colo)

@@ -238,7 +238,7 @@ def run_workflow_bench(model: str = "smollm2-135m-instruct", agents: tuple[int, 
                     points.append(_point(mode, n, rate, flows, makespan, stats.get("prefix_hit_rate"),
                                          stats.get("evictions"), peak if runner else None))
                     if runner is not None:  # the compiled CPU step or the eager one
-                        points[-1]["compiled"] = engine.runner.compiled is not None
+                        points[-1]["compiled"] = engine.compiled_step is not None
                         if workflow_admission:  # steps a new workflow's call was held, summed over calls
                             points[-1]["admission_holds"] = stats["admission_holds"] - holds
                     bar.update()

@@ -7,18 +7,16 @@
   KVFlow's step-aware order);
 - :mod:`agents`: per workflow agent, the steps to its next call and its fixed prompt's blocks;
 - :mod:`host_tier`: evicted blocks in host memory, loaded back by a copy thread;
-- :mod:`layout`: which pool and owner a block of a sequence gets, from its kind's spec;
 - :mod:`block_manager`: the facade the scheduler talks to, and the statistics.
 """
 
 from .agents import AgentTable
 from .block_manager import BlockManager, CacheStats, OutOfBlocks, PrefixLoading, PrefixPending
 from .host_tier import HostTier
-from .layout import KVLayout
 from .policy import POLICIES, EvictionPolicy, LRUPolicy, StepAwarePolicy, make_policy
 from .pool import BlockPool, OutOfResidualBlocks
 from .prefix_index import PrefixIndex
 
-__all__ = ["AgentTable", "BlockManager", "BlockPool", "CacheStats", "EvictionPolicy", "HostTier", "KVLayout",
+__all__ = ["AgentTable", "BlockManager", "BlockPool", "CacheStats", "EvictionPolicy", "HostTier",
            "LRUPolicy", "OutOfBlocks", "OutOfResidualBlocks", "POLICIES", "PrefixIndex", "PrefixLoading", "PrefixPending",
            "StepAwarePolicy", "make_policy"]

@@ -1,9 +1,9 @@
 """The block manager: the one object the scheduler asks for KV blocks.
 
 It composes a :class:`BlockPool` (ids and references), a :class:`PrefixIndex` (which block
-holds which prefix), an :class:`EvictionPolicy` (which idle cached block goes first) and a
-:class:`KVLayout` (the owner each block's key names). Blocks that are cached and
-unreferenced stay reusable until the policy gives them up.
+holds which prefix) and an :class:`EvictionPolicy` (which idle cached block goes first); each
+sequence's :class:`~..kv_layout.KVLayout` names the owner in its blocks' keys. Blocks that are
+cached and unreferenced stay reusable until the policy gives them up.
 
 With an :class:`AgentTable` each block also knows which agents' fixed prompts pass through
 it (its *readers*; a shared block collects every agent that reads it) and whether it holds
@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ...errors import KvshareError
+from ..kv_layout import REUSE_KINDS
 from ..sequence import Sequence
 from .agents import AgentKey, AgentTable
 from .host_tier import HostTier
-from .layout import KVLayout
 from .policy import EvictionPolicy, LRUPolicy
 from .pool import BlockPool, OutOfBlocks
 from .prefix_index import PrefixIndex
@@ -49,7 +50,7 @@ class CacheStats:
     # ForkKV agent reading another's base part still computes its own residual there)
     forkkv_base_read_tokens: int = 0
     # of hit_tokens, by the kind of KV reused (KVLayout.reuse_kind): what sharing saved
-    hit_tokens_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KVLayout.reuse_kinds, 0))
+    hit_tokens_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REUSE_KINDS, 0))
 
 
 @dataclass
@@ -64,13 +65,12 @@ class BlockInfo:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, base_fingerprint: str,
-                 policy: EvictionPolicy | None = None, layout: KVLayout | None = None,
+                 policy: EvictionPolicy | None = None,
                  agents: AgentTable | None = None, host_tier: HostTier | None = None,
                  residual: ResidualCache | None = None):
         self.block_size = block_size
         self.residual = residual  # ForkKV's residual pool, when the engine has one
         self.index = PrefixIndex(base_fingerprint)
-        self.layout = layout or KVLayout()
         self.policy = policy if policy is not None else LRUPolicy()  # an empty policy is falsy
         self.agents = agents if agents is not None else AgentTable()
         self.tier = host_tier
@@ -126,10 +126,10 @@ class BlockManager:
         from block ``start`` on (``parent`` is then the key of block ``start - 1``);
         ``exact_base``: the keys the same tokens have as exact base KV."""
         parent = parent or self.index.root_for(seq.params.cache_salt)
-        tokens, bs = seq.tokens, self.block_size
+        tokens, bs, layout = seq.tokens, self.block_size, seq.layout
         for index in range(start, upto_tokens // bs):
             end = (index + 1) * bs
-            owner = None if exact_base else self.layout.block_owner(seq, end)
+            owner = None if exact_base else layout.block_owner(seq, end)
             parent = self.index.block_key(parent, self._key_owner(seq, owner, end), tokens[end - bs:end])
             yield index, owner, parent
 
@@ -204,7 +204,7 @@ class BlockManager:
         chain = list(self._keys(seq, length))
         keys = [key for _, _, key in chain]
         exact = [key for _, _, key in self._keys(seq, length, exact_base=True)] \
-            if self.layout.reads_exact_base(seq) else None
+            if seq.layout.reads_exact_base else None
         if seq.agent is not None and seq.fixed_blocks is None:  # once: retries must not relearn
             seq.fixed_blocks = self.agents.fixed_blocks(seq.agent, keys[:len(seq.prompt) // self.block_size],
                                                         seq.hints.fixed_prefix_tokens, self.block_size)
@@ -230,7 +230,7 @@ class BlockManager:
         if fresh > self.num_free - reusable_evictable:
             raise OutOfBlocks
         res_hits = []
-        if seq.forkkv:
+        if seq.layout.uses_residual_pool:
             res_hits = self.residual.match(seq)
             if not self.residual.can_take(self.residual.fresh_needed(seq, res_hits), res_hits):
                 raise OutOfBlocks
@@ -245,10 +245,10 @@ class BlockManager:
         for index in range(len(hits), len(keys)):
             self.index.mark_pending(keys[index], seq.block_table[index])
         seq.num_computed = len(hits) * self.block_size
-        if seq.forkkv:  # resume where both parts are cached; rewrite neither
-            self.residual.allocate(seq, res_hits)
-            seq.base_cached = seq.num_computed
-            seq.num_computed = min(seq.base_cached, seq.res_cached)
+        if seq.layout.uses_residual_pool:  # resume where both parts are cached; rewrite neither
+            state = self.residual.allocate(seq, res_hits)
+            state.base_cached = seq.num_computed
+            seq.num_computed = state.resume_at
         seq.hashed_blocks = len(hits)
         seq.chain_key = keys[len(hits) - 1] if hits else None
         seq.parent_key = hit_keys[-1] if hits else None
@@ -260,14 +260,14 @@ class BlockManager:
         prompt = len(seq.prompt)
         self.stats.queried_tokens += prompt
         self.stats.hit_tokens += min(seq.num_computed, prompt)
-        if seq.forkkv:
-            self.stats.forkkv_base_read_tokens += min(seq.base_cached, prompt)
+        if seq.residual is not None:
+            self.stats.forkkv_base_read_tokens += min(seq.residual.base_cached, prompt)
         # the hits it resumes from (not all it found): by whose KV they reused, and those its own
         # demand loaded back from the host tier
         for index, owner, _ in chain[:seq.num_computed // self.block_size]:
             tokens = min((index + 1) * self.block_size, prompt) - index * self.block_size
             if tokens > 0:
-                self.stats.hit_tokens_by_kind[self.layout.reuse_kind(seq, owner)] += tokens
+                self.stats.hit_tokens_by_kind[seq.layout.reuse_kind(seq, owner)] += tokens
                 if self.blocks[hits[index]].loaded_for == seq.request_id:
                     self.stats.host_hit_tokens += tokens
 
@@ -394,6 +394,16 @@ class BlockManager:
         if self.tier is not None and self.loading:
             self.tier.wait(timeout)
 
+    def land_loads(self, why: str, timeout: float = 60.0) -> None:
+        """Let the host tier's loads in flight land and be collected (a prefetch the last step
+        started: each holds a block until then), before ``why`` changes the pool under them."""
+        deadline = time.monotonic() + timeout
+        while self.loads_in_flight():
+            if time.monotonic() > deadline:
+                raise KvshareError(f"{why}: host-tier loads did not land within {timeout:g} s")
+            self.wait_for_loads(1.0)
+            self.poll_loads()
+
     def prefetch(self, within: int, reserve: int = 0) -> int:
         """Load back the fixed prompts of the agents due within ``within`` steps, nearest
         first, into free blocks or in place of blocks the policy ranks below them (never
@@ -423,14 +433,14 @@ class BlockManager:
         need = self.blocks_needed(n_tokens) - len(seq.block_table)
         if need > self.num_free:
             raise OutOfBlocks
-        if seq.forkkv:
+        if seq.layout.uses_residual_pool:
             self.residual.ensure_capacity(seq, n_tokens)  # checks before it takes
         for _ in range(need):
             seq.block_table.append(self._take())
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks in the prefix index."""
-        if seq.forkkv:
+        if seq.layout.uses_residual_pool:
             self.residual.register_computed(seq)
         full = seq.num_computed // self.block_size
         if full <= seq.hashed_blocks:
@@ -451,7 +461,7 @@ class BlockManager:
         self.index.drop_pending_of(set(seq.block_table))
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
-        if seq.res_table:
+        if seq.residual is not None:
             self.residual.free(seq)
         seq.block_table = []
         seq.num_computed = 0

@@ -11,9 +11,11 @@ shared :class:`~.arena.KVArena` (ownership only; no bytes move):
 - **scale-down**: a borrower hands back borrowed units it has not needed for a window of
   steps (only whole idle units; cached blocks in them are evicted from its prefix index).
 
-Demand is :meth:`LLMEngine.kv_demand`: the blocks of the running requests (one more token
-each) and of the next waiting one. The lender's own requests never wait for a borrower: up
-to its floor it never lends, and within its home share a reclaim wins over any loan.
+Demand is each engine's :meth:`Lender.kv_demand`: the blocks of the running requests (one
+more token each) and of the next waiting one. The lender's own requests never wait for a
+borrower: up to its floor it never lends, and within its home share a reclaim wins over any
+loan. This module is the policy alone: it sees each engine through its :class:`Lender`
+(:class:`~..lender.EngineLender`, which the co-location layer builds), never the engine.
 """
 
 from __future__ import annotations
@@ -21,15 +23,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ...errors import KvshareError
 from .arena import KVArena
-
-if TYPE_CHECKING:
-    from ..colocate import Colocation
-    from ..config import EngineConfig
-    from ..engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -58,25 +54,42 @@ class LendingStats:
 FLOOR_FRACTION = 0.25  # the share of its home units an engine never lends (the default)
 
 
+class Lender(Protocol):
+    """What the policy asks of one co-located engine (:class:`~..lender.EngineLender`)."""
+
+    block_size: int
+    max_kv_blocks: int | None
+
+    def limit_kv_blocks(self, lendable: int) -> None: ...
+
+    def kv_demand(self) -> KVDemand: ...
+
+    def kv_blocks_owned(self) -> int: ...
+
+    def kv_blocks_busy(self, block_ids: list[int]) -> list[int]: ...
+
+    def release_kv_blocks(self, block_ids: list[int], preempt: bool) -> int | None: ...
+
+    def grant_kv_blocks(self, block_ids: list[int]) -> None: ...
+
+
 class Lending:
-    def __init__(self, arena: KVArena, engines: dict[str, LLMEngine], floor_fraction: float = FLOOR_FRACTION,
+    def __init__(self, arena: KVArena, lenders: dict[str, Lender], floor_fraction: float = FLOOR_FRACTION,
                  peak_window: int = 32):
-        """``floor_fraction``: the share of its home units an engine never lends;
-        ``peak_window``: the rounds over which an engine's peak running demand keeps what it
-        holds (lent or borrowed)."""
+        """``lenders``: each engine's :class:`Lender`, by name; ``floor_fraction``: the share
+        of its home units an engine never lends; ``peak_window``: the rounds over which an
+        engine's peak running demand keeps what it holds (lent or borrowed)."""
         if not 0 <= floor_fraction <= 1 or peak_window < 1:
             raise ValueError("floor_fraction must be in [0, 1] and peak_window at least 1")
-        self.arena, self.engines = arena, engines
-        homes = {name: arena.home.count(name) for name in engines}
+        self.arena, self.lenders = arena, lenders
+        homes = {name: arena.home.count(name) for name in lenders}
         self.floor_units = {name: math.ceil(floor_fraction * n) for name, n in homes.items()}
-        self.peaks = {name: deque(maxlen=peak_window) for name in engines}
+        self.peaks = {name: deque(maxlen=peak_window) for name in lenders}
         self.counters = LendingStats()
         self._moved: set[int] = set()  # units moved this round (each moves at most once)
-        for name, engine in engines.items():  # the most each may hold: all but the others' floors
+        for name, engine in lenders.items():  # the most each may hold: all but the others' floors
             others = sum(u for other, u in self.floor_units.items() if other != name)
-            lendable = (arena.num_units - others) * arena.blocks_per_unit(name)
-            stream = engine.runner.stream  # a layer-streaming engine: no more than its buffer's rows
-            engine.max_kv_blocks = min(lendable, stream.buffer_rows) if stream is not None else lendable
+            engine.limit_kv_blocks((arena.num_units - others) * arena.blocks_per_unit(name))
 
     # what each engine needs ------------------------------------------------------------------
     def _units(self, name: str, blocks: int) -> int:
@@ -93,17 +106,17 @@ class Lending:
         return sum(1 for unit in self.arena.units_held(name) if self.arena.home[unit] == name)
 
     def _idle(self, name: str, unit: int) -> bool:
-        return not self.engines[name].kv_blocks_busy(self.arena.blocks(name, unit))
+        return not self.lenders[name].kv_blocks_busy(self.arena.blocks(name, unit))
 
     # moving units ----------------------------------------------------------------------------
     def _move(self, unit: int, to: str, event: str, preempt: bool) -> bool:
         holder = self.arena.holder[unit]
-        preempted = self.engines[holder].release_kv_blocks(self.arena.blocks(holder, unit), preempt=preempt)
+        preempted = self.lenders[holder].release_kv_blocks(self.arena.blocks(holder, unit), preempt=preempt)
         if preempted is None:
             return False
         self.counters.preempted += preempted
         self.arena.move(unit, to)
-        self.engines[to].grant_kv_blocks(self.arena.blocks(to, unit))
+        self.lenders[to].grant_kv_blocks(self.arena.blocks(to, unit))
         self.counters.log.append((event, unit, holder, to))
         self._moved.add(unit)
         return True
@@ -114,18 +127,18 @@ class Lending:
         across engines, so that engines each waiting for more than they hold cannot
         deadlock), and a unit moves at most once a round."""
         self._moved.clear()
-        demand = {name: engine.kv_demand() for name, engine in self.engines.items()}
+        demand = {name: engine.kv_demand() for name, engine in self.lenders.items()}
         for name, d in demand.items():
             self.peaks[name].append(d.running)
-        short = [name for name, d in demand.items() if d.total > self.engines[name].kv_blocks_owned()]
+        short = [name for name, d in demand.items() if d.total > self.lenders[name].kv_blocks_owned()]
         for name in sorted(short, key=lambda n: demand[n].next_arrival):
             self._grow(name, demand[name])
-        for name in self.engines:
+        for name in self.lenders:
             self._shrink(name, demand[name])
 
     def _grow(self, name: str, demand: KVDemand) -> None:
         arena = self.arena
-        engine = self.engines[name]
+        engine = self.lenders[name]
         room = (engine.max_kv_blocks - engine.kv_blocks_owned()) // arena.blocks_per_unit(name)
         short = min(room, self._units(name, demand.total - engine.kv_blocks_owned()))
         # 1. reclaim its own units: the idle ones first, then, preempting the borrower, only
@@ -138,7 +151,7 @@ class Lending:
                         and self._move(unit, name, "reclaim", preempt=preempt):
                     self.counters.units_reclaimed += 1
                     short -= 1
-        for lender in self.engines:  # 2. borrow idle units the others hold beyond what they keep
+        for lender in self.lenders:  # 2. borrow idle units the others hold beyond what they keep
             if lender == name:
                 continue
             spare = len(arena.units_held(lender)) - self._keep_units(lender)
@@ -172,7 +185,7 @@ class Lending:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per engine: blocks owned now, lent out (its home units others hold), borrowed."""
         arena, out = self.arena, {}
-        for name, engine in self.engines.items():
+        for name, engine in self.lenders.items():
             per = arena.blocks_per_unit(name)
             lent = sum(1 for u, home in enumerate(arena.home) if home == name and arena.holder[u] != name)
             borrowed = sum(1 for u, holder in enumerate(arena.holder) if holder == name and arena.home[u] != name)
@@ -181,62 +194,3 @@ class Lending:
                          "floor_blocks": self.floor_units[name] * per}
         return out
 
-
-def build_arena(engines: dict[str, LLMEngine], home_blocks: dict[str, int],
-                stream_rows: dict[str, int] | None = None) -> KVArena:
-    """Put idle ``engines`` into one arena, each starting with ``home_blocks`` of its own
-    blocks' bytes (its static partition) as whole exchange units; an engine with
-    ``stream_rows`` keeps a layer buffer of that many rows and streams its KV from the arena."""
-    stream_rows = stream_rows or {}
-    devices = {str(engine.device) for engine in engines.values()}
-    if len(devices) != 1:
-        raise KvshareError(f"co-located engines must share one device, not {', '.join(sorted(devices))}")
-    shapes = {name: engine.runner.block_shape() for name, engine in engines.items()}
-    arena = KVArena(shapes, {name: home_blocks[name] * shapes[name].block_bytes for name in engines},
-                    next(iter(engines.values())).device)
-    for name, engine in engines.items():
-        engine.join_arena(arena, name, stream_rows.get(name, 0))
-    return arena
-
-
-def stream_split(engines: dict[str, LLMEngine], home_blocks: dict[str, int], name: str) -> tuple[int, int]:
-    """(home blocks in the arena, layer-buffer rows) of a layer-streaming engine whose local
-    memory is ``home_blocks[name]`` whole blocks, i.e. ``blocks x layers`` one-layer rows.
-    Every block it serves streams through a row; a home block costs ``layers`` rows of
-    local memory, a block the others lend none, so the split that serves the most,
-    ``rows = home + lent``, gives ``home = (rows_total - lent) / (layers + 1)``: SwiftCache's
-    capacity rule (:func:`.layer_stream.stream_capacity`), sized for the most the others can
-    lend (their homes above their floors). All local memory as buffer, as before, served
-    no more blocks than the others lent, whatever the buffer's rows."""
-    shape = engines[name].runner.block_shape()
-    lendable = sum(home_blocks[other] * engines[other].runner.block_shape().block_bytes
-                   for other in engines if other != name) * (1 - FLOOR_FRACTION)
-    lent = int(lendable // shape.block_bytes)
-    total_rows = home_blocks[name] * shape.layers
-    per_unit = math.lcm(*(e.runner.block_shape().block_bytes for e in engines.values())) // shape.block_bytes
-    home = max(0, (total_rows - lent) // (shape.layers + 1)) // per_unit * per_unit  # whole exchange units
-    return home, total_rows - home * shape.layers
-
-
-def colocate(models: list[tuple[str, list[str], EngineConfig, str]], lending: bool) -> Colocation:
-    """Engines for ``models`` ((model, adapter dirs, config, served name) each) in one arena:
-    each starts with its configured KV memory as its home share; with ``lending`` they lend
-    each other idle blocks, else the arena stays a static partition."""
-    from ..colocate import Colocation  # both import the engine, which imports this package
-    from ..engine import LLMEngine
-
-    engines, home, streaming = {}, {}, []
-    for model, adapters, config, name in models:
-        if name in engines:
-            raise KvshareError(f"two co-located models are served as {name!r}")
-        if config.kv_stream and not lending:
-            raise KvshareError(f"{name!r}: the layer-stream cache streams lent memory; it needs lending")
-        engine = LLMEngine(model, adapters, config.updated(kv_cache_tokens=config.block_size, kv_cache_bytes=None))
-        home[name] = engine.runner.pool_blocks(config.kv_cache_tokens, config.kv_cache_bytes)
-        streaming += [name] if config.kv_stream else []
-        engines[name] = engine
-    stream_rows = {}
-    for name in streaming:
-        home[name], stream_rows[name] = stream_split(engines, home, name)
-    arena = build_arena(engines, home, stream_rows)
-    return Colocation(engines, Lending(arena, engines) if lending else None)

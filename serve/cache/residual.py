@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kv_layout import ResidualState
 from ..sequence import Sequence
 from .policy import LRUPolicy
 from .pool import BlockPool, OutOfResidualBlocks
@@ -74,18 +75,18 @@ class ResidualCache:
     def can_take(self, fresh: int, hits: list[int]) -> bool:
         return fresh <= self.num_free - sum(1 for b in hits if b in self.policy)
 
-    def allocate(self, seq: Sequence, hits: list[int]) -> None:
-        """Take the hit blocks and fresh ones for the rest (the caller checked :meth:`can_take`)."""
+    def allocate(self, seq: Sequence, hits: list[int]) -> ResidualState:
+        """Take the hit blocks and fresh ones for the rest (the caller checked :meth:`can_take`):
+        the sequence's :class:`ResidualState`, which it holds from now on."""
         fresh = self.fresh_needed(seq, hits)
         for block_id in hits:
             self.policy.remove(block_id)
             self.pool.ref(block_id)
-        seq.res_table = hits + [self._take() for _ in range(fresh)]
-        seq.res_hashed_blocks = len(hits)
-        seq.res_chain_key = self.keys_of[hits[-1]] if hits else None
-        seq.res_cached = len(hits) * self.block_size
+        seq.residual = state = ResidualState(hits + [self._take() for _ in range(fresh)], len(hits),
+                                             self.keys_of[hits[-1]] if hits else None, len(hits) * self.block_size)
         if not seq.preemptions:  # admitted again after a preemption: its hits now are its own blocks
-            self.stats.hit_tokens += min(seq.res_cached, len(seq.prompt))
+            self.stats.hit_tokens += min(state.cached, len(seq.prompt))
+        return state
 
     def _take(self) -> int:
         if self.pool.num_free:
@@ -100,33 +101,34 @@ class ResidualCache:
         return block_id
 
     def ensure_capacity(self, seq: Sequence, n_tokens: int) -> None:
-        need = (n_tokens + self.block_size - 1) // self.block_size - len(seq.res_table)
+        table = seq.residual.table
+        need = (n_tokens + self.block_size - 1) // self.block_size - len(table)
         if need > self.num_free:
             raise OutOfResidualBlocks
         for _ in range(need):
-            seq.res_table.append(self._take())
+            table.append(self._take())
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full residual blocks."""
-        full = seq.num_computed // self.block_size
-        if full <= seq.res_hashed_blocks:
+        state, full = seq.residual, seq.num_computed // self.block_size
+        if full <= state.hashed_blocks:
             return
-        for index, key in self.keys(seq, full * self.block_size, seq.res_hashed_blocks, seq.res_chain_key):
-            block_id = seq.res_table[index]
+        for index, key in self.keys(seq, full * self.block_size, state.hashed_blocks, state.chain_key):
+            block_id = state.table[index]
             if self.keys_of[block_id] is None and self.index.publish(key, block_id):
                 self.keys_of[block_id] = key
-            seq.res_chain_key = key
-        seq.res_hashed_blocks = full
+            state.chain_key = key
+        state.hashed_blocks = full
 
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.res_table):
+        """Drop the sequence's residual blocks (cached ones stay reusable) and its state."""
+        for block_id in reversed(seq.residual.table):
             if self.pool.unref(block_id):
                 if self.keys_of[block_id] is not None:
                     self.policy.add(block_id)
                 else:
                     self.pool.release(block_id)
-        seq.res_table, seq.res_hashed_blocks, seq.res_chain_key = [], 0, None
-        seq.res_cached = seq.base_cached = 0
+        seq.residual = None
 
     def usage(self) -> dict:
         in_use = sum(1 for r in self.pool.ref_count if r > 0)

@@ -27,9 +27,9 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..cache.host_tier import TierStats
-from ..cache.layout import KVLayout
 from ..colocate import Colocation
 from ..engine import LLMEngine, RequestOutput
+from ..kv_layout import REUSE_KINDS
 
 # LLMEngine.stats() keys that only grow (Prometheus counters); every other key is a gauge
 COUNTERS = {
@@ -52,7 +52,7 @@ COUNTERS = {
     "forkkv_residual_evictions": "ForkKV: residual blocks evicted",
     **{f"host_{f.name}": f"host tier: {f.name.replace('_', ' ')}" for f in fields(TierStats)},
 }
-KIND_PREFIX = "prefix_hit_tokens_"  # + a KVLayout.reuse_kinds entry: hits by the kind of KV reused
+KIND_PREFIX = "prefix_hit_tokens_"  # + a REUSE_KINDS entry: hits by the kind of KV reused
 FINISH_REASONS = ("stop", "length", "abort", "error")  # shown from zero, as vLLM does
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles mean the same here
@@ -97,7 +97,7 @@ class _EngineCollector:
         ours: dict[str, Metric] = {}
         for name, values in stats.items():
             model = [name] if self.by_model else []
-            for kind in KVLayout.reuse_kinds:
+            for kind in REUSE_KINDS:
                 by_kind.add_metric([*model, kind], values.get(KIND_PREFIX + kind, 0))
             for key, value in values.items():
                 if key.startswith(KIND_PREFIX):
@@ -164,8 +164,7 @@ class ServerMetrics:
     def __init__(self, engine: LLMEngine | Colocation, model_name: str | None = None):
         """Over one engine served as ``model_name``, or over co-located engines (by their
         served names, which label the histograms too)."""
-        colocation = engine if isinstance(engine, Colocation) else \
-            Colocation({model_name or engine.model_name: engine})
+        colocation = Colocation.of(engine, model_name)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(colocation))
         self.by_model = by_model = len(colocation.engines) > 1
