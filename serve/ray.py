@@ -109,14 +109,14 @@ class KvshareEngine:
                               served_model_name=list(spec.served_model_name or []) or None,
                               enable_lora_loading=spec.enable_lora_loading,
                               generation_config=spec.generation_config)
-        self.runner = self.app.state.runner
+        self.engine_thread = self.app.state.engine_thread
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine thread died, or whose steps keep
         failing, is replaced."""
-        problem = self.runner.health()
+        problem = self.engine_thread.health()
         if problem is not None:
             raise RuntimeError(problem)
 
@@ -168,9 +168,9 @@ class KvshareEngine:
                     app.cancel()
 
     def __del__(self):
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.shutdown()
+        engine_thread = getattr(self, "engine_thread", None)
+        if engine_thread is not None:
+            engine_thread.shutdown()
 
 
 def workflow_id_of(headers, body: bytes) -> str | None:

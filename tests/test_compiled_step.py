@@ -455,7 +455,7 @@ def test_a_server_asked_to_warm_up_compiles_before_it_answers(base, adapters):
     try:
         assert set(engine.runner.compiled.traced) == {(1, False), (1, True)}
     finally:
-        app.state.runner.shutdown()
+        app.state.engine_thread.shutdown()
 
 
 def test_a_compile_that_fails_serves_eager_instead_of_failing_requests(base, adapters, tokenizer, caplog,

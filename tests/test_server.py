@@ -286,7 +286,7 @@ def test_health_is_503_when_the_engine_thread_is_gone(base):
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
     with TestClient(create_app(engine)) as client:
         assert client.get("/health").status_code == 200
-        client.app.state.runner.shutdown()  # the thread ends, as if it had died
+        client.app.state.engine_thread.shutdown()  # the thread ends, as if it had died
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         r = client.post("/v1/completions", json={"model": str(base), "prompt": "hi", "max_tokens": 2})
@@ -305,7 +305,7 @@ def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypat
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
     body = {"model": str(base), "prompt": "hi", "max_tokens": 2}
     with TestClient(create_app(engine)) as client:
-        target = client.app.state.runner.colocation if where == "colocation" else engine.runner
+        target = client.app.state.engine_thread.colocation if where == "colocation" else engine.runner
         name = "step" if where == "colocation" else "run"
         real = getattr(target, name)
 
@@ -342,7 +342,7 @@ def test_one_bad_request_retried_on_a_quiet_replica_does_not_take_it_out(base, m
 
     monkeypatch.setattr(engine.runner, "run", fails_on_poison)
     with TestClient(create_app(engine)) as client:
-        runner = client.app.state.runner
+        runner = client.app.state.engine_thread
         for _ in range(UNHEALTHY_AFTER):
             assert client.post("/v1/completions", json={"prompt": poison, "max_tokens": 2}).status_code == 500
         deadline = time.monotonic() + 30
@@ -797,7 +797,7 @@ def test_a_vllm_command_line_runs_unchanged(cli, base, adapters, monkeypatch):
         for bad in ([-1], [10 ** 9], list(range(100))):  # outside the vocabulary; more than the limit allows
             r = local.post("/v1/completions", json=body | {"stop_token_ids": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
-        apps[0].state.runner.engine.eos_token_ids = frozenset({first})  # the greedy first token now ends it
+        apps[0].state.engine_thread.engine.eos_token_ids = frozenset({first})  # the greedy first token now ends it
         stopped = local.post("/v1/completions", json=body | {"max_tokens": 12}).json()
         assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
         r = local.post("/v1/completions", json=body | {"max_tokens": 12, "ignore_eos": True})
@@ -1002,7 +1002,7 @@ def test_unexpected_failures_are_openai_errors_not_tracebacks(cli, base, monkeyp
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     assert cli("serve", base, "--kv-cache-tokens", "512").code == 0
-    engine = apps[0].state.runner.engine
+    engine = apps[0].state.engine_thread.engine
     body = {"model": str(base), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with TestClient(apps[0], raise_server_exceptions=False) as local:
         for error, status, kind in ((RuntimeError("a bug"), 500, "server_error"),
@@ -1029,7 +1029,7 @@ def test_logprob_responses_are_built_off_the_event_loop(cli, base, monkeypatch):
     apps = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
     assert cli("serve", base, "--kv-cache-tokens", "512").code == 0
-    tokenizer = apps[0].state.runner.engine.tokenizer
+    tokenizer = apps[0].state.engine_thread.engine.tokenizer
     on_loop, original = [], tokenizer.batch_decode
 
     def recording(ids, *args, **kwargs):

@@ -52,7 +52,7 @@ async def load_lora_adapter(req: LoadLoraRequest, state: ServerState = Depends(g
     try:
         adapter = await asyncio.get_running_loop().run_in_executor(
             state.lora_pool, state.lora_scope.prepare, colocation, base, req.lora_path, req.lora_name)
-        await state.runner.call(lambda _: colocation.install_adapter(base, adapter))
+        await state.engine_thread.call(lambda _: colocation.install_adapter(base, adapter))
     except KvshareError as err:  # AdapterPathRefused among them: one message, whatever the reason
         raise ApiError(400, str(err), param="lora_path") from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -70,7 +70,7 @@ async def unload_lora_adapter(req: UnloadLoraRequest, state: ServerState = Depen
                        kind="not_found_error", param="lora_name")
     _refuse_if_startup(state, req.lora_name)
     try:
-        await state.runner.call(lambda _: engine.unload_adapter(req.lora_name))
+        await state.engine_thread.call(lambda _: engine.unload_adapter(req.lora_name))
     except KvshareError as err:
         raise ApiError(409, f"{err}: unload it when they have finished", kind="conflict_error",
                        param="lora_name") from None

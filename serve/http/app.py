@@ -70,7 +70,7 @@ def create_app(engine: LLMEngine | Colocation, *, api_key: str | None = None,
     app = FastAPI(title="kvshare", version="1", lifespan=_lifespan)
     app.router.route_class = UnicodeCheckedRoute  # every route: bodies that are not Unicode are 400
     app.state.kvshare = state  # the routes' shared state (state.get_state)
-    app.state.runner = state.runner  # the engine thread, for health checks and tests
+    app.state.engine_thread = state.engine_thread  # the engine thread, for health checks and tests
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)  # routing, unparsable bodies

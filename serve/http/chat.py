@@ -28,7 +28,7 @@ async def chat(req: ChatRequest, request: Request, state: ServerState = Depends(
     """``n`` choices of one conversation, as JSON or server-sent events."""
     base, engine, adapter = state.resolve(req.model)
     model = req.model or base
-    check_limits(req, state.limits, engine.runner.vocab_size)
+    check_limits(req, state.limits, engine.vocab_size)
     req.check_neutral()  # before the template runs with the request's options
     prompt = truncated(req, engine, await chat_tokens(state, engine, req.messages, adapter, req))
     # without a limit, the rest of the context (as OpenAI and vLLM)

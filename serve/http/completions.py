@@ -30,7 +30,7 @@ async def completions(req: CompletionRequest, request: Request,
     """One choice per prompt and sample, as JSON or server-sent events."""
     base, engine, adapter = state.resolve(req.model)
     model = req.model or base
-    check_limits(req, state.limits, engine.runner.vocab_size)
+    check_limits(req, state.limits, engine.vocab_size)
     prompts, prompt_texts = await prompts_of(state, req, engine)
     # the prompt alone is scored by a step that samples one token, which the reply leaves out;
     # no limit: each prompt gets the rest of the context (vLLM)

@@ -29,7 +29,7 @@ async def _run(state: ServerState, prompt: list[int], params: SamplingParams, ba
                hints: AgentHints) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Queue one choice and wait for its first output, so that a refusal is the request's
     status code rather than an error inside a stream that already said 200."""
-    stream = state.runner.generate(prompt, params, adapter, hints, model=base)
+    stream = state.engine_thread.generate(prompt, params, adapter, hints, model=base)
     try:
         first = await stream.__anext__()
     except Overloaded as err:
@@ -37,7 +37,7 @@ async def _run(state: ServerState, prompt: list[int], params: SamplingParams, ba
     except KvshareError as err:
         raise ApiError(400, str(err)) from None
     except RuntimeError as err:  # an engine thread gone: 503, which clients and routers retry elsewhere
-        raise ApiError(500 if state.runner.alive() else 503, str(err), kind="server_error") from None
+        raise ApiError(500 if state.engine_thread.alive() else 503, str(err), kind="server_error") from None
     return first, stream
 
 
@@ -48,10 +48,10 @@ def _check_room(state: ServerState, jobs: int, base: str, hints: AgentHints, n: 
     if jobs > limit:  # else one request could fill the queue alone
         raise ApiError(400, f"{what} = {jobs} sequences; one request may queue at most "
                        f"max_request_sequences={limit}", param="n" if n > 1 else "prompt")
-    if jobs > max(1, state.runner.max_waiting):
-        raise ApiError(400, f"{what} exceed the queue's capacity of {state.runner.max_waiting}",
+    if jobs > max(1, state.engine_thread.max_waiting):
+        raise ApiError(400, f"{what} exceed the queue's capacity of {state.engine_thread.max_waiting}",
                        param="n" if n > 1 else "prompt")
-    if not state.runner.has_room(jobs, hints.workflow_id, base):
+    if not state.engine_thread.has_room(jobs, hints.workflow_id, base):
         raise ApiError(503, f"server overloaded: no room for {jobs} more requests", kind="server_error")
 
 

@@ -28,7 +28,7 @@ def sampling_params(req: OpenAIRequest, engine: LLMEngine, generation_config: st
               for name, neutral in _SHIPPED}
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
-                              top_k=max(0, min(chosen["top_k"], engine.runner.vocab_size)), min_p=chosen["min_p"],
+                              top_k=max(0, min(chosen["top_k"], engine.vocab_size)), min_p=chosen["min_p"],
                               repetition_penalty=chosen["repetition_penalty"], cache_salt=req.cache_salt,
                               ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                               seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else (req.stop or []),

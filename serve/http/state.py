@@ -37,7 +37,7 @@ class ServerState:
     aliases: dict[str, str]
     limits: ServerLimits
     generation_config: str  # "auto": a request's missing sampling from generation_config.json; "vllm": off
-    runner: AsyncEngine  # the engine thread
+    engine_thread: AsyncEngine  # steps the engines on its own thread
     tokenize_pool: ThreadPoolExecutor  # tokenising, chat templates and reply encoding
     lora_pool: ThreadPoolExecutor  # runtime LoRA loads read and check their files here
     metrics: ServerMetrics
@@ -63,7 +63,7 @@ class ServerState:
 
     def shutdown(self) -> None:
         """Stop the engine thread and drop the workers' queued work (the app's shutdown)."""
-        self.runner.shutdown()
+        self.engine_thread.shutdown()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.lora_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -88,12 +88,12 @@ def start_state(engine: LLMEngine | Colocation, *, served_model_name: str | list
     for each in colocation.engines.values():
         if each.config.warm_up:
             each.warm_up_all()
-    runner = AsyncEngine(colocation, max_waiting=max_waiting)
+    engine_thread = AsyncEngine(colocation, max_waiting=max_waiting)
     # one tokenizer worker (as in vLLM), so a huge prompt costs one core, not every core
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-tokenize")
     # runtime LoRA loads one at a time, while the engine steps
     lora_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-lora-load")
-    return ServerState(colocation, aliases, limits, generation_config, runner, tokenize_pool, lora_pool,
+    return ServerState(colocation, aliases, limits, generation_config, engine_thread, tokenize_pool, lora_pool,
                        ServerMetrics(colocation), lora_scope)
 
 
@@ -106,7 +106,7 @@ def _served(engine: LLMEngine | Colocation,
             raise KvshareError("co-located models are served under their Colocation names, not served_model_name")
         colocation = engine
     else:
-        colocation = Colocation({(base_names or [engine.model_name])[0]: engine})
+        colocation = Colocation.of(engine, (base_names or [None])[0])
     aliases = {alias: base_names[0] for alias in base_names[1:]}
     hidden = sorted(set(aliases) & {a.name for each in colocation.engines.values() for a in each.adapters()})
     if hidden:  # the alias would win: requests for the adapter would run on the base

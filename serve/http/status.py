@@ -12,7 +12,7 @@ from .state import ServerState, get_state
 
 async def health(state: ServerState = Depends(get_state)) -> dict | Response:
     """200 while the engine thread steps; 503 (a load balancer must stop sending here) when not."""
-    problem = state.runner.health()
+    problem = state.engine_thread.health()
     if problem is not None:
         return error_response(503, problem, kind="server_error")
     return {"status": "ok"}

@@ -42,5 +42,5 @@ async def detokenize(req: DetokenizeRequest, state: ServerState = Depends(get_st
     """Token ids -> text, for ids the vocabulary has and no more than the context holds."""
     engine, _ = _tokenizing_engine(state, req.model)
     check_context(engine, len(req.tokens), "tokens")  # before any id is read or decoded
-    check_in_vocabulary(req.tokens, engine.runner.vocab_size, "tokens")
+    check_in_vocabulary(req.tokens, engine.vocab_size, "tokens")
     return {"prompt": await state.off_loop(engine.tokenizer.decode, req.tokens)}
