@@ -139,7 +139,7 @@ def export_adapter(
 def verify_adapter_dir(adapter_dir: str | Path, base: str | Path | None = None, check_files: bool = True) -> dict:
     """Check an exported adapter folder; with ``base``, also that it belongs to that base.
     ``check_files=False`` leaves the files' digests to a caller that checks the bytes it
-    loads (:meth:`kvshare.serve.adapters.AdapterSet.load`), instead of reading them twice.
+    loads (:meth:`kvshare.serve.exec.adapters.AdapterSet.load`), instead of reading them twice.
 
     Returns the manifest. Raises KvshareError on the first problem.
     """

@@ -59,9 +59,9 @@ def train_adapters(model: str, workdir: Path, steps: int, examples: int) -> dict
 
 async def _team_run(engine, solver: str, checker: str, checker_invocation: list[int], contexts, turns: int,
                     max_tokens: int):
-    from .serve.async_engine import AsyncEngine
-    from .serve.step_graph import StepGraph
-    from .serve.workflow import Agent, EngineBackend, RoundRobin, Workflow
+    from .serve.driver.engine_thread import AsyncEngine
+    from .serve.task_graph import StepGraph
+    from .serve.workflow.runtime import Agent, EngineBackend, RoundRobin, Workflow
 
     runner = AsyncEngine(engine)
     backend = EngineBackend(runner)

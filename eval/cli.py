@@ -194,7 +194,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:  # decode speed is timed from the second token on
         raise KvshareError("--new-tokens must be at least 2")
     _at_least(args, 1, "threads", "rounds")
-    from ..serve.runner import resolve_device
+    from ..serve.exec.runner import resolve_device
 
     if args.peer is None:  # (a peer runs on the CPU only, and says so itself)
         resolve_device(args.device)  # "gpu", or cuda without one: an error now, not after loading the model
@@ -211,7 +211,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from ..serve.runner import resolve_device
+    from ..serve.exec.runner import resolve_device
     from .perf.kernels import markdown, run_kernel_bench
 
     _at_least(args, 1, "threads", "batches", "contexts", "lora_rows")
@@ -272,7 +272,7 @@ def _bench_workflow_on_ray(args: argparse.Namespace) -> int:
         ("--workflow-admission", args.workflow_admission, False), ("--kernels", args.kernels, "auto"),
         ("--compile-max-rows", args.compile_max_rows, DEFAULT_COMPILE_MAX_ROWS),
         ("--max-num-batched-tokens", args.max_num_batched_tokens, 1024)) if value != default]
-    if ignored:  # the replicas are built by kvshare.serve.ray with its own defaults
+    if ignored:  # the replicas are built by kvshare.serve.ray.replicas with its own defaults
         raise KvshareError(f"--ray does not take {', '.join(ignored)}")
     try:
         from .perf.workflow import ray_markdown, run_ray_workflow_bench

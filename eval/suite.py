@@ -39,7 +39,7 @@ from ..fingerprint import fingerprints
 from ..fsutil import write_text_atomic
 from ..kinds import kind_spec, parse_kind
 from ..models import resolve_model_dir
-from ..serve.adapters import adapter_digest
+from ..serve.exec.adapters import adapter_digest
 from ..yamlspec import StrictSpec, load_spec
 from . import compare
 from .code import code_task

@@ -1,6 +1,6 @@
 """kvshare.serve: the serving engine with one paged KV pool shared by base and adapters."""
 
-from .engine import LLM, LLMEngine, RequestOutput
-from .sampling import SamplingParams
+from .engine.llm_engine import LLM, LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -83,7 +83,7 @@ def _colocated(args: argparse.Namespace, config: EngineConfig) -> list[tuple[str
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .server import serve
+        from .http.server import serve
     except ImportError as err:
         raise KvshareError(f"the server needs its extra: pip install 'kvshare[server]' ({err})") from None
     given = [name for name in RAY_ONLY_FLAGS if getattr(args, name) is not None and getattr(args, name) is not False]
@@ -140,7 +140,7 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None, lora_modules: l
                   enable_loading: bool) -> int:
     """``kvshare serve --ray``: the same app in every replica of a Ray Serve deployment."""
     try:
-        from .ray import EngineSpec, RayServeOptions, serve_forever
+        from .ray.replicas import EngineSpec, RayServeOptions, serve_forever
     except ImportError as err:
         raise KvshareError(f"--ray needs Ray Serve: pip install 'kvshare[ray]' ({err})") from None
 

@@ -15,7 +15,7 @@ from ..kinds import KV_LAYOUTS
 
 # the compiled CPU step's batch buckets (a step's rows are padded up to the next one); each
 # compiles on first use, about a minute per graph for SmolLM2 on 2 cores (seconds in a later
-# process on the same weights: the graph cache, serve/graph_cache.py)
+# process on the same weights: the graph cache, serve/exec/graph_cache.py)
 COMPILE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_COMPILE_MAX_ROWS = 16  # decode steps; larger buckets are opt-in (one more compile each)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import KvshareError
-from .step_graph import StepGraph, StepNode
+from .task_graph import StepGraph, StepNode
 
 # HTTP headers a router may set instead of body fields (the body wins where both are given)
 HEADERS = {"x-kvshare-workflow-id": "workflow_id", "x-session-id": "workflow_id",

@@ -11,7 +11,7 @@ import torch
 from ..kinds import BASE, KindSpec
 from .hints import AgentHints
 from .kv_layout import KVLayout, ResidualState, layout_of
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class Status(str, Enum):

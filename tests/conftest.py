@@ -46,7 +46,7 @@ _TEST_ENGINE = {name: os.environ[var] for name, var in (("device", "KVSHARE_TEST
 if _TEST_ENGINE:
     from dataclasses import make_dataclass
 
-    import kvshare.serve.engine as _engine_module
+    import kvshare.serve.engine.llm_engine as _engine_module
     from kvshare.serve.config import EngineConfig
 
     _TestEngineConfig = make_dataclass("EngineConfig", [(name, str, value) for name, value in _TEST_ENGINE.items()],

@@ -154,7 +154,7 @@ def test_a_growing_workflow_counts_the_calls_its_schedule_names_before_any_workf
 
 
 def test_calls_ahead_of_a_schedule():
-    from kvshare.serve.admission import calls_ahead
+    from kvshare.serve.engine.admission import calls_ahead
 
     assert calls_ahead(None) == calls_ahead({}) == 0
     assert calls_ahead({"b": 1, "c": 2, "d": 3}) == 3  # a chain
@@ -167,7 +167,7 @@ def test_held_calls_never_crowd_a_running_workflow_out_of_the_queue(base, tokeni
     still gets in (and runs); one of another new workflow is refused."""
     import asyncio
 
-    from kvshare.serve.async_engine import AsyncEngine, Overloaded
+    from kvshare.serve.driver.engine_thread import AsyncEngine, Overloaded
 
     engine = LLMEngine(base, workflow_admission=True, **SETTINGS)
     for i, w in enumerate(["w0", "w1"]):
@@ -204,7 +204,7 @@ def test_co_located_engines_admit_by_the_blocks_they_hold_now(base, tokenizer):
     """Co-located engines are built with one block and given their share of the arena after:
     admission sizes the pool when it decides, not when the engine was built (it held every
     second workflow back behind the first)."""
-    from kvshare.serve.colocate import colocate
+    from kvshare.serve.driver.colocation import colocate
     from kvshare.serve.config import EngineConfig
 
     config = EngineConfig(block_size=4, compile="off", workflow_admission=True)

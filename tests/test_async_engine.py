@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvshare.serve import LLMEngine, SamplingParams
-from kvshare.serve.async_engine import AsyncEngine
+from kvshare.serve.driver.engine_thread import AsyncEngine
 
 from test_engine import base  # noqa: F401
 
@@ -71,7 +71,7 @@ def test_a_stopped_engine_thread_refuses_new_work_and_answers_what_was_queued(ba
     waited forever); after shutdown, new ones are refused at once."""
     import pytest
 
-    from kvshare.serve.async_engine import _Mailbox
+    from kvshare.serve.driver.engine_thread import _Mailbox
 
     runner = AsyncEngine(LLMEngine(base, kv_cache_tokens=1024, block_size=8))
     runner.shutdown()

@@ -7,7 +7,7 @@ import pytest
 from kvshare.errors import KvshareError
 from kvshare.kinds import AdapterKind, kind_spec
 from kvshare.serve.cache import BlockManager, LRUPolicy, OutOfBlocks, PrefixPending, make_policy
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.sampling_params import SamplingParams
 from kvshare.serve.sequence import Sequence
 
 BS = 2

@@ -47,7 +47,7 @@ def test_a_recipe_that_is_not_text_and_a_stop_after_of_nothing(cli, tmp_path):
 def test_a_port_in_use_is_refused_before_the_model_loads(cli, base, monkeypatch):
     import uvicorn
 
-    from kvshare.serve import engine
+    from kvshare.serve.engine import llm_engine as engine
 
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("served on a port in use"))
     monkeypatch.setattr(engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("loaded the model first"))

@@ -1,4 +1,4 @@
-"""Several base models in one `kvshare serve` process (kvshare.serve.colocate): routing by
+"""Several base models in one `kvshare serve` process (kvshare.serve.driver.colocation): routing by
 `model`, the model list, per-model /metrics, isolation between the models, one driver thread
 that never runs two steps at once, and the `--colocate` command line."""
 
@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvshare.errors import KvshareError
 from kvshare.random_adapters import random_adapter
 from kvshare.serve import LLM, LLMEngine, SamplingParams
-from kvshare.serve.colocate import Colocation
-from kvshare.serve.server import create_app
+from kvshare.serve.driver.colocation import Colocation
+from kvshare.serve.http.server import create_app
 
 from conftest import assert_one_line_error
 
@@ -349,7 +349,7 @@ def test_a_failing_rebalance_fails_no_request(bases, adapter_dirs):
 
 def test_the_in_process_workflow_backend_refuses_co_located_models(bases, adapter_dirs):
     """It named no model, and read a tokenizer a Colocation has not: an AttributeError before."""
-    from kvshare.serve.async_engine import AsyncEngine
+    from kvshare.serve.driver.engine_thread import AsyncEngine
     from kvshare.serve.workflow import EngineBackend
 
     runner = AsyncEngine(Colocation(engines_for(bases, adapter_dirs), None))
@@ -363,7 +363,7 @@ def test_the_in_process_workflow_backend_refuses_co_located_models(bases, adapte
 def test_each_colocated_model_has_its_own_queue_budget(bases, adapter_dirs):
     """max_waiting bounds each model's queue: requests waiting for (or queued to) one model do not
     refuse another's, as with a server per model."""
-    from kvshare.serve.async_engine import AsyncEngine
+    from kvshare.serve.driver.engine_thread import AsyncEngine
 
     engines = engines_for(bases, adapter_dirs)
     runner = AsyncEngine(Colocation(engines, None), max_waiting=2)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvshare.errors import KvshareError
-import kvshare.serve.compiled as compiled_module
+import kvshare.serve.exec.compiled as compiled_module
 from kvshare.kernels import Kernels, cpu
 from kvshare.kernels.quant import Int8Weight
 from kvshare.kernels.registry import backends
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.compiled import compile_wanted, compiler_blocker
+from kvshare.serve.exec.compiled import compile_wanted, compiler_blocker
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -277,7 +277,7 @@ def test_auto_runs_eager_where_an_int8_weight_has_no_packed_kernel(tmp_path, mon
 def test_rows_of_no_adapter_get_zeros_whatever_slot_zero_holds():
     """Base and pad rows read slot 0 in the graph's LoRA delta at scale 0: a NaN there (one
     tenant's diverged adapter) must not reach them, nor the base KV they write."""
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     a, b_t = torch.zeros(2, 8, 16), torch.zeros(2, 8, 32)
     a[0, 0, 0] = float("nan")
@@ -328,9 +328,9 @@ def test_slot_stack_deltas_equal_the_per_adapter_reference(base, adapters, tmp_p
     rows without adapter; a step of more adapters than ``max_loras`` is refused (it runs eager)."""
     from kvshare.kernels.lora import gathered_lora_ref, lora_groups
     from kvshare.random_adapters import random_adapter
-    from kvshare.serve.adapters import AdapterSet
-    from kvshare.serve.lora_slots import LoraSlots, lora_delta
-    from kvshare.serve.model import Model
+    from kvshare.serve.exec.adapters import AdapterSet
+    from kvshare.serve.exec.lora_slots import LoraSlots, lora_delta
+    from kvshare.serve.exec.model import Model
 
     model = Model(base)
     adapter_set = AdapterSet(base, torch.float32)
@@ -402,7 +402,7 @@ def test_a_projection_adapted_later_compiles_the_graph_again(base, adapters, tok
     """ICaRus adapters leave k/v to the base: the graph adapts 5 projections (k/v get rank-0
     stacks). A LoRA adapter loaded later adapts all 7: the graph with adapters compiles again
     (not counted as a failed guard), and every output still equals the eager engine's."""
-    from kvshare.serve.lora_slots import PARTS
+    from kvshare.serve.exec.lora_slots import PARTS
 
     compiled = LLM(base, [adapters["icarus-a"]], compile="on", **SETTINGS)
     eager = LLM(base, [adapters["icarus-a"]], compile="off", **SETTINGS)
@@ -447,7 +447,7 @@ def test_a_server_asked_to_warm_up_compiles_before_it_answers(base, adapters):
     """``kvshare serve --warm-up``: the app is built only once every bucket's graph exists,
     with the loaded adapters' graph too, so no request waits for a compile."""
     from kvshare.serve import LLMEngine
-    from kvshare.serve.server import create_app
+    from kvshare.serve.http.server import create_app
 
     engine = LLMEngine(base, [adapters["icarus-a"]], kv_cache_tokens=256, block_size=4, compile="on",
                        compile_max_rows=1, warm_up=True)

@@ -145,7 +145,7 @@ def test_the_head_takes_dot_products_up_to_the_rows_where_they_win(monkeypatch):
     to 6 rows (oneDNN's tiles win from 8 on an AMX Xeon); the compiled step's head follows it."""
     from types import SimpleNamespace
 
-    from kvshare.serve.compiled import CompiledStep
+    from kvshare.serve.exec.compiled import CompiledStep
 
     for amx, rows in ((False, cpu_linear.MAX_ROWS), (True, cpu_linear.AMX_HEAD_ROWS)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)

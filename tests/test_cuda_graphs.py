@@ -16,8 +16,8 @@ import torch
 from kvshare.errors import KvshareError
 from kvshare.kernels import Kernels
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.cuda_graphs import GraphedStep, graphs_wanted
-from kvshare.serve.model import Model
+from kvshare.serve.exec.cuda_graphs import GraphedStep, graphs_wanted
+from kvshare.serve.exec.model import Model
 
 from test_compiled_step import _chunk_beside_decoding, _generate, assert_only_running_sequences_wrote
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
@@ -204,7 +204,7 @@ def test_fused_lora_projections_give_the_eager_tokens_with_a_base_steps_kernel_c
 
 
 def test_a_graph_lora_kernel_that_does_not_exist_is_a_clear_error(base, monkeypatch):
-    from kvshare.serve.cuda_graphs import graph_lora_kernel
+    from kvshare.serve.exec.cuda_graphs import graph_lora_kernel
 
     monkeypatch.setenv("KVSHARE_GRAPH_LORA", "sgmv")
     with pytest.raises(KvshareError, match="KVSHARE_GRAPH_LORA must be one of bgmv, fused"):

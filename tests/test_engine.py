@@ -341,7 +341,7 @@ def test_an_output_that_fails_to_build_fails_its_request_alone(base, tokenizer, 
     """Building one request's output raises mid-run: that request ends once with finish reason
     "error" (its blocks freed, counted as failed) and the other request of the same steps runs on
     to its end, instead of the step failing and the first request's stream never hearing of it."""
-    import kvshare.serve.engine as engine_module
+    import kvshare.serve.engine.llm_engine as engine_module
 
     llm = LLM(base, kv_cache_tokens=512, block_size=4)
     engine = llm.engine

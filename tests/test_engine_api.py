@@ -176,7 +176,7 @@ def test_the_benchmark_says_which_lora_kernel_the_graphs_took(monkeypatch):
 
     from kvshare.eval.perf.engine import _how_steps_ran
     from kvshare.kernels.triton import linear_lora
-    from kvshare.serve.cuda_graphs import GraphedStep
+    from kvshare.serve.exec.cuda_graphs import GraphedStep
 
     graphed = GraphedStep.__new__(GraphedStep)
     graphed.unavailable, graphed.steps, graphed.lora_kernel = None, 5, "fused"

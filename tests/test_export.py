@@ -88,7 +88,7 @@ def test_export_writes_a_model_card_that_says_how_to_load_it(cli, checkpoints, b
 
     from kvshare.export import verify_adapter_dir
     from kvshare.kinds import AdapterKind
-    from kvshare.serve.adapters import adapter_digest
+    from kvshare.serve.exec.adapters import adapter_digest
 
     out = tmp_path / f"card-{kind}"
     extra = ["--invocation", INVOCATION] if kind == "alora" else []
@@ -367,8 +367,8 @@ def test_the_engine_checks_and_digests_the_weights_it_loaded(cli, checkpoints, b
 
     from kvshare.kinds import AdapterKind
     from kvshare.serve import LLM
-    from kvshare.serve import adapters as serving
-    from kvshare.serve.adapters import adapter_digest
+    from kvshare.serve.exec import adapters as serving
+    from kvshare.serve.exec.adapters import adapter_digest
 
     out = tmp_path / "a"
     assert export(cli, checkpoints["lora"], "lora", base, out).code == 0

@@ -1,4 +1,4 @@
-"""Calling from a fresh CPython data-stack chunk (serve/fresh_stack.py): a hot loop of small
+"""Calling from a fresh CPython data-stack chunk (serve/exec/fresh_stack.py): a hot loop of small
 calls under a large frame maps no chunk per call, wherever the caller's stack ends."""
 
 import resource
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvshare.serve.fresh_stack import call_in_fresh_chunk, frame_with_slots
+from kvshare.serve.exec.fresh_stack import call_in_fresh_chunk, frame_with_slots
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or sys.implementation.name != "cpython"
                                 or sys.version_info < (3, 11), reason="CPython's data-stack chunks, on Linux")

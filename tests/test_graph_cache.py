@@ -1,4 +1,4 @@
-"""The compiled CPU step's graphs in Inductor's on-disk cache (:mod:`kvshare.serve.graph_cache`):
+"""The compiled CPU step's graphs in Inductor's on-disk cache (:mod:`kvshare.serve.exec.graph_cache`):
 a second engine on the same weights loads the graph instead of compiling it and gives the same
 tokens; an engine on other weights of the same shapes never loads it (the entry holds weights
 packed from the first model's values); released graphs free their packed weights."""
@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.codecache import PyCodeCache
 
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.compiled import compiler_blocker
-from kvshare.serve.graph_cache import WeightsKey, cache_frozen_graphs, release_compiled_graphs, weights_digest
+from kvshare.serve.exec.compiled import compiler_blocker
+from kvshare.serve.exec.graph_cache import WeightsKey, cache_frozen_graphs, release_compiled_graphs, weights_digest
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
 

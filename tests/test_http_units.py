@@ -20,8 +20,8 @@ from kvshare.serve.http.params import choice_params
 from kvshare.serve.http.protocol import ChatRequest, CompletionRequest
 from kvshare.serve.http.replies import _PIECE, json_bytes
 from kvshare.serve.http.streaming import chunker, stream_events
-from kvshare.serve.output import RequestOutput
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.engine.output import RequestOutput
+from kvshare.serve.sampling_params import SamplingParams
 
 
 def _out(text: str, finished: bool = False, logprobs=()) -> RequestOutput:

@@ -11,7 +11,7 @@ from kvshare.kernels import Kernels
 from kvshare.kernels.cpu import extension
 from kvshare.kernels.quant import EXPAND_ROWS, INT4_GROUP, Int4Weight, _int4_block_n, int4_fits, quantize_int4
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.compiled import compile_wanted, compiler_blocker
+from kvshare.serve.exec.compiled import compile_wanted, compiler_blocker
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -153,7 +153,7 @@ def test_compiled_int4_step_scores_as_the_eager_one(base, adapters, tokenizer, m
 
 
 def test_compile_takes_int4_with_bfloat16_activations(monkeypatch):
-    import kvshare.serve.compiled as compiled_module
+    import kvshare.serve.exec.compiled as compiled_module
     from kvshare.errors import KvshareError
 
     cpu = torch.device("cpu")
@@ -169,7 +169,7 @@ def test_compile_takes_int4_with_bfloat16_activations(monkeypatch):
 def test_a_path_with_spaces_turns_the_compiled_step_off_and_says_why(monkeypatch, tmp_path, caplog):
     """torch's Inductor passes its cache's paths to the compiler unquoted: there, auto runs eager
     (said once) and on is refused with the reason, instead of failing at every graph."""
-    import kvshare.serve.compiled as compiled_module
+    import kvshare.serve.exec.compiled as compiled_module
     from kvshare.errors import KvshareError
 
     cpu = torch.device("cpu")

@@ -20,7 +20,7 @@ from kvshare.serve import LLM, SamplingParams
 from kvshare.serve.cache import AgentTable, BlockManager, HostTier, StepAwarePolicy
 from kvshare.serve.hints import AgentHints
 from kvshare.serve.sequence import Sequence
-from kvshare.serve.step_graph import StepGraph, StepNode
+from kvshare.serve.task_graph import StepGraph, StepNode
 
 from conftest import assert_one_line_error
 from test_engine import adapters, base, invocation, tokenizer  # noqa: F401
@@ -346,7 +346,7 @@ def test_a_shared_history_too_big_to_keep_whole_still_finishes(base, adapters, t
     pinned while it waits, so loads never evict each other (this livelocked before)."""
     import asyncio
 
-    from kvshare.serve.async_engine import AsyncEngine
+    from kvshare.serve.driver.engine_thread import AsyncEngine
     from kvshare.serve.workflow import Agent, EngineBackend, RoundRobin, SimulatedTool, Workflow
 
     context = tokenizer.encode("Paris is the capital of France. " * 6, add_special_tokens=False)

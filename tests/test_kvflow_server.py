@@ -32,7 +32,7 @@ def test_hints_over_http_body_and_router_headers(server):
 
 
 def test_serve_takes_the_kvflow_and_limit_flags(cli, monkeypatch, tiny_models):
-    import kvshare.serve.server as server_module
+    import kvshare.serve.http.server as server_module
 
     seen = {}
     monkeypatch.setattr(server_module, "serve", lambda model, adapters, **kw: seen.update(kw))

@@ -9,15 +9,15 @@ import threading
 import pytest
 
 from kvshare.serve import LLMEngine
-from kvshare.serve import async_engine
-from kvshare.serve.async_engine import AsyncEngine
+from kvshare.serve.driver import engine_thread as async_engine
+from kvshare.serve.driver.engine_thread import AsyncEngine
 
 from test_engine import base  # noqa: F401
 
 # the OS threads of a process that ran a parallel region on 2 threads, then released its workers
 PROBE = r"""
 import os, time, torch
-from kvshare.serve.openmp import release_openmp_workers
+from kvshare.serve.exec.openmp import release_openmp_workers
 torch.set_num_threads(2)
 x = torch.ones(1 << 22)
 assert x.sum().item() == 1 << 22  # a parallel region: the main thread's team starts

@@ -10,9 +10,9 @@ import torch
 
 from kvshare.errors import KvshareError
 from kvshare.serve import LLM
-from kvshare.serve.output import IncrementalDetokenizer
-from kvshare.serve.sampler import logprobs_batch, restrict, sample_batch
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.engine.output import IncrementalDetokenizer
+from kvshare.serve.exec.sampler import logprobs_batch, restrict, sample_batch
+from kvshare.serve.sampling_params import SamplingParams
 
 from test_engine import base, prompts_for, tokenizer  # noqa: F401
 
@@ -131,7 +131,7 @@ def test_min_p_top_k_and_repetition_penalty_equal_transformers_processors():
     """On fixed logits, the distribution each row samples from (and each greedy pick) is what
     transformers' RepetitionPenalty, Temperature, TopK, TopP and MinP processors give; a
     seeded draw is the draw from that distribution."""
-    from kvshare.serve.sampler import sampling_scores
+    from kvshare.serve.exec.sampler import sampling_scores
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 40, generator=gen) * 3

@@ -14,8 +14,8 @@ pytest.importorskip("ray")
 
 from starlette.requests import ClientDisconnect, Request  # noqa: E402
 
-from kvshare.serve.ray import KvshareGateway, read_body  # noqa: E402
-from kvshare.serve.ray_router import WorkflowAffinityRouter, valid_session_id  # noqa: E402
+from kvshare.serve.ray.replicas import KvshareGateway, read_body  # noqa: E402
+from kvshare.serve.ray.router import WorkflowAffinityRouter, valid_session_id  # noqa: E402
 
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 JSON = [(b"content-type", b"application/json")]

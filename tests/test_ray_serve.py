@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from kvshare.loopback import free_port
 from kvshare.random_adapters import random_adapter
 from kvshare.serve.config import EngineConfig
-from kvshare.serve.ray import (APP_NAME, REPLICA_HEADER, EngineSpec, RayServeOptions, running_replicas, start,
+from kvshare.serve.ray.replicas import (APP_NAME, REPLICA_HEADER, EngineSpec, RayServeOptions, running_replicas, start,
                                wait_healthy, workflow_id_of)
 from kvshare.serve.workflow import Agent, RoundRobin, ServerBackend, SimulatedTool, Workflow
 from conftest import assert_one_line_error
@@ -114,7 +114,7 @@ def test_ray_flags_need_ray_and_ray_needs_its_extra(cli, monkeypatch):
     assert_one_line_error(cli("serve", "m", "--replicas", "0"), "--replicas needs --ray")  # 0 is given too
     assert_one_line_error(cli("serve", "m", "--ray", "--enable-lora-loading"), "would reach one replica")
     monkeypatch.setitem(sys.modules, "ray", None)  # as if kvshare[ray] were not installed
-    monkeypatch.delitem(sys.modules, "kvshare.serve.ray")
+    monkeypatch.delitem(sys.modules, "kvshare.serve.ray.replicas")
     assert_one_line_error(cli("serve", "m", "--ray"), "pip install 'kvshare[ray]'")
 
 
@@ -214,7 +214,7 @@ def test_replicas_whose_engine_refuses_its_settings_are_one_error_not_a_hang(spe
 
     from kvshare.errors import KvshareError
 
-    from kvshare.serve.ray import APP_NAME
+    from kvshare.serve.ray.replicas import APP_NAME
 
     serve.delete(APP_NAME)  # the test above's app, if it ran: its replicas would count as up
     bad = replace(spec, config=EngineConfig(kv_cache_tokens=4096, max_model_len=10 ** 6))

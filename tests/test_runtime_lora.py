@@ -22,7 +22,7 @@ from kvshare.adapters import ADAPTER_WEIGHTS
 from kvshare.errors import KvshareError
 from kvshare.serve import LLM, LLMEngine, SamplingParams
 from kvshare.serve.http.lora_scope import ALLOW_REPLACE_FLAG, REFUSED_PATH
-from kvshare.serve.server import create_app
+from kvshare.serve.http.server import create_app
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 from test_server import AUTH, _post, running_server
@@ -118,7 +118,7 @@ def test_serve_flags_reach_the_app_and_need_runtime_loading(cli, base, tmp_path,
     from conftest import assert_one_line_error
 
     seen = {}
-    monkeypatch.setattr("kvshare.serve.server.serve", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("kvshare.serve.http.server.serve", lambda *a, **kw: seen.update(kw))
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     assert cli("serve", base, "--enable-lora-loading", "--lora-root", tmp_path,
                ALLOW_REPLACE_FLAG).code == 0
@@ -174,7 +174,7 @@ def test_the_base_is_fingerprinted_once_for_every_load(tiny_llama, adapters, mon
 
 def test_a_slow_load_does_not_stall_the_engine(base, adapters, monkeypatch):
     """The adapter's file is read on the load worker: requests in flight keep decoding."""
-    import kvshare.serve.adapters as serve_adapters
+    import kvshare.serve.exec.adapters as serve_adapters
 
     engine = _engine(base, [adapters["lora-a"]])
     real_read, seen = serve_adapters.read_tensor_file, []

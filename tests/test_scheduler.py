@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kvshare.kinds import FORKKV_LORA, AdapterKind, kind_spec
-from kvshare.serve.admission import WorkflowAdmission
+from kvshare.serve.engine.admission import WorkflowAdmission
 from kvshare.serve.cache import BlockManager, HostTier
 from kvshare.serve.cache.block_manager import PrefixLoading
 from kvshare.serve.cache.residual import ResidualCache
 from kvshare.serve.hints import AgentHints
-from kvshare.serve.sampling import SamplingParams
-from kvshare.serve.scheduler import Scheduler
+from kvshare.serve.sampling_params import SamplingParams
+from kvshare.serve.engine.scheduler import Scheduler
 from kvshare.serve.sequence import Sequence, Status
 
 BS = 2

@@ -17,7 +17,7 @@ import uvicorn
 from kvshare.errors import KvshareError
 from kvshare.loopback import free_port
 from kvshare.serve import LLM, LLMEngine, SamplingParams
-from kvshare.serve.server import create_app
+from kvshare.serve.http.server import create_app
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 
@@ -300,7 +300,7 @@ def test_health_is_503_while_every_step_fails_and_ok_again_after(base, monkeypat
     engine splits the batch), which counts the same: no step served anything."""
     from fastapi.testclient import TestClient
 
-    from kvshare.serve.async_engine import UNHEALTHY_AFTER
+    from kvshare.serve.driver.engine_thread import UNHEALTHY_AFTER
 
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
     body = {"model": str(base), "prompt": "hi", "max_tokens": 2}
@@ -329,7 +329,7 @@ def test_one_bad_request_retried_on_a_quiet_replica_does_not_take_it_out(base, m
     while the bad request still fails."""
     from fastapi.testclient import TestClient
 
-    from kvshare.serve.async_engine import UNHEALTHY_AFTER
+    from kvshare.serve.driver.engine_thread import UNHEALTHY_AFTER
 
     engine = LLMEngine(base, kv_cache_tokens=256, block_size=8)
     poison = [7, 7, 7]
@@ -765,7 +765,7 @@ def test_runtime_lora_loading_is_404_without_the_flag_and_on_with_vllms_variable
     assert _post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "y"}).status_code == 404
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "lora-a"}).status_code == 404
     seen = {}
-    monkeypatch.setattr("kvshare.serve.server.serve", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("kvshare.serve.http.server.serve", lambda *a, **kw: seen.update(kw))
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     assert cli("serve", "--model", base).code == 0 and seen["enable_lora_loading"] is True
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING")

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvshare.serve import LLMEngine, SamplingParams
 from kvshare.serve.config import ServerLimits, add_server_arguments, server_limits_from_args
-from kvshare.serve.server import create_app
+from kvshare.serve.http.server import create_app
 
 from test_engine import adapters, base, invocation, tokenizer  # noqa: F401
 from test_server import KEY, running_server, server  # noqa: F401

@@ -14,10 +14,10 @@ import torch
 from kvshare.errors import KvshareError
 from kvshare.serve import LLMEngine, SamplingParams
 from kvshare.serve.cache.arena import BlockShape, KVArena
-from kvshare.serve.cache.lending import Lending
-from kvshare.serve.colocate import colocate
+from kvshare.serve.driver.lending import Lending
+from kvshare.serve.driver.colocation import colocate
 from kvshare.serve.config import EngineConfig
-from kvshare.serve.lender import EngineLender, build_arena, lenders_of
+from kvshare.serve.driver.lender import EngineLender, build_arena, lenders_of
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401
 

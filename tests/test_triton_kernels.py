@@ -124,7 +124,7 @@ def test_split_keys_leave_a_graphs_pad_rows_zero_whatever_the_scratch_held():
     v_cache = torch.randn(n_blocks, block_size, n_kv, d, generator=gen).to(DEVICE)
     rows = len(row_seq)
     q = torch.randn(rows + pad, n_q, d, generator=gen).to(DEVICE)
-    size = rows + pad  # the graph's rows: pad sequences without rows, as serve/cuda_graphs.py lays them out
+    size = rows + pad  # the graph's rows: pad sequences without rows, as serve/exec/cuda_graphs.py lays them out
     loc = torch.cat([meta.query_start_loc, torch.full((size - 2,), rows, dtype=torch.int32, device=DEVICE)])
     table = torch.zeros(size, meta.block_tables.shape[1], dtype=meta.block_tables.dtype, device=DEVICE)
     table[:2] = meta.block_tables
@@ -293,7 +293,7 @@ def test_bgmv_adds_each_rows_slot_delta_in_place_as_the_reference(rank, d_in, d_
     features when the features are many for a tile; shrink and expand in one launch (small
     projections) or two."""
     from kvshare.kernels.triton import bgmv
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     if launches == 2:
         monkeypatch.setattr(bgmv, "_FUSED_READS", 0)
@@ -329,7 +329,7 @@ def test_bgmv_parts_of_a_fused_projection_are_one_launch_equal_to_each_part_alon
     alone, the rest untouched."""
     from kvshare.kernels.triton.bgmv import bgmv_lora_add_parts
     from kvshare.kernels.triton.launch_count import count_launches
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     gen = torch.Generator().manual_seed(5)
     slots, rows, rank, d_in = 3, 5, 8, 24
@@ -369,7 +369,7 @@ def test_linear_lora_is_the_projection_plus_each_rows_delta(rows, adapted_widths
 
     from kvshare.kernels.triton.launch_count import count_launches
     from kvshare.kernels.triton.linear_lora import fits, linear_lora
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     gen = torch.Generator().manual_seed(7)
     slots, rank, d_in, d_out = 3, 8, 72, 100
@@ -464,7 +464,7 @@ def test_a_multi_part_kernel_that_cannot_compile_falls_back_to_one_launch_a_part
     """On a GPU whose compiler rejects the multi-part kernel, the parts launch one by one
     (logged once, never tried again) instead of failing the graph and the engine's speed."""
     from kvshare.kernels.triton import bgmv
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     tried = []
 

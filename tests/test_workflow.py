@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvshare.serve import LLMEngine
-from kvshare.serve.async_engine import AsyncEngine
+from kvshare.serve.driver.engine_thread import AsyncEngine
 from kvshare.serve.workflow import (Agent, EngineBackend, RoundRobin, ServerBackend, SimulatedTool,
                                     Skewed, Workflow)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ...random_adapters import random_adapter
-from ...serve.engine import LLMEngine
+from ...serve.engine.llm_engine import LLMEngine
 from .common import filler_prompt, run_requests as _run, setup, write_report
 
 TARGETS = ("q_proj", "k_proj", "v_proj")

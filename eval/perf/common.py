@@ -15,8 +15,8 @@ from ...errors import KvshareError
 from ...fsutil import write_text_atomic
 from ...provenance import provenance, this_command
 from ...models import resolve_model_dir
-from ...serve.engine import LLMEngine, RequestOutput
-from ...serve.sampling import SamplingParams
+from ...serve.engine.llm_engine import LLMEngine, RequestOutput
+from ...serve.sampling_params import SamplingParams
 
 TEXT = ("The history of the Roman empire spans many centuries, from the founding of the city to the "
         "fall of Constantinople, and includes wars, reforms, emperors and the rise of Christianity. ")

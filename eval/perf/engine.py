@@ -27,10 +27,10 @@ from tqdm import tqdm
 from ...errors import KvshareError
 from ...models import load_tokenizer
 from ...random_adapters import random_adapter
-from ...serve.engine import LLM
-from ...serve.cuda_graphs import GraphedStep
-from ...serve.graph_cache import release_compiled_graphs
-from ...serve.sampling import SamplingParams
+from ...serve.engine.llm_engine import LLM
+from ...serve.exec.cuda_graphs import GraphedStep
+from ...serve.exec.graph_cache import release_compiled_graphs
+from ...serve.sampling_params import SamplingParams
 from .common import engine_decode_rate, filler_prompt as _prompt, setup, write_report as _write
 from .peers import (ensure_llamacpp_venv, ensure_vllm_venv, kv_space_gib, llamacpp_gguf,
                     run_llamacpp_engine_probe, run_vllm_engine_probe)
@@ -168,7 +168,7 @@ def run_engine_bench(model: str = "smollm2-135m-instruct", dtype: str = "float32
     (its venv: ``peer_venv`` if given, it must hold ``bin/vllm``, else made under
     ``$KVSHARE_HOME/peers``) at ``dtype``; ``peer="llamacpp"`` adds llama.cpp on the zoo's Q4_1
     GGUF (its venv: ``peer_venv``, or built under ``$KVSHARE_HOME/peers``). ``compile`` is the
-    engine's compiled CPU step (:mod:`kvshare.serve.compiled`); its buckets are compiled
+    engine's compiled CPU step (:mod:`kvshare.serve.exec.compiled`); its buckets are compiled
     before anything is timed and the compile time is reported. ``rounds`` > 1 measures every
     engine (each backend, transformers, the peer) that many times in turn and reports each
     figure's median, with every round's figures under ``"rounds"``: a shared VM's speed drifts

@@ -25,8 +25,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ...random_adapters import random_adapter
-from ...serve.engine import LLMEngine
-from ...serve.sampling import SamplingParams
+from ...serve.engine.llm_engine import LLMEngine
+from ...serve.sampling_params import SamplingParams
 from .common import filler_prompt, setup, write_report as _write
 
 

@@ -32,7 +32,7 @@ from ...errors import KvshareError
 from ...kinds import AdapterKind
 from ...serve import LLM
 from ...safetensors_io import read_json
-from ...serve.sampling import SamplingParams
+from ...serve.sampling_params import SamplingParams
 from ..harness import EvalTask, mean_ci95
 from ..qa import f1_task
 from .common import setup, write_report as _write

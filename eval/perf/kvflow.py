@@ -29,10 +29,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ...errors import KvshareError
-from ...serve.engine import LLMEngine
-from ...serve.graph_cache import release_compiled_graphs
-from ...serve.sampling import SamplingParams
-from ...serve.step_graph import StepGraph
+from ...serve.engine.llm_engine import LLMEngine
+from ...serve.exec.graph_cache import release_compiled_graphs
+from ...serve.sampling_params import SamplingParams
+from ...serve.task_graph import StepGraph
 from ...splits import require_data_dir
 from .common import percentile, setup, write_report as _write
 

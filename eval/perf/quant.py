@@ -26,8 +26,8 @@ from tqdm import tqdm
 from ...errors import KvshareError
 from ...kernels import backends
 from ...kernels.quant import quantize_per_channel, weight_bytes
-from ...serve.engine import LLM
-from ...serve.sampling import SamplingParams
+from ...serve.engine.llm_engine import LLM
+from ...serve.sampling_params import SamplingParams
 from ...splits import require_data_dir
 from .common import engine_decode_rate, filler_prompt, setup, write_report as _write
 

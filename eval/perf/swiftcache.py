@@ -1,12 +1,12 @@
 """``kvshare bench swiftcache``: what lending idle KV between co-located models buys.
 
 A long-context model and ``agents`` small chat engines share one KV arena
-(:func:`~kvshare.serve.colocate.colocate`); each engine's home share is its static
+(:func:`~kvshare.serve.driver.colocation.colocate`); each engine's home share is its static
 partition. Modes, run one after the other in one process on the same requests:
 - ``static``: the arena stays a static partition (``colocate(..., lending=False)``);
 - ``lending``: idle blocks move between the engines (SwiftCache's elastic cache);
 - ``lending+stream``: lending, and the long model's home share becomes a layer buffer and home
-  blocks (``kv_stream``, split by :func:`kvshare.serve.lender.stream_split`); every layer of
+  blocks (``kv_stream``, split by :func:`kvshare.serve.driver.lender.stream_split`); every layer of
   its KV streams through the buffer, from its home blocks and what the agents lend. On one device
   lent blocks are directly addressable, so this mode shows the stream's cost: it pays off
   only where the lender's memory is not (another GPU), which this machine cannot show.
@@ -44,9 +44,9 @@ from tqdm import tqdm
 from ...errors import KvshareError
 from ...models import resolve_model_dir
 from ...splits import require_data_dir
-from ...serve.colocate import Colocation, colocate
+from ...serve.driver.colocation import Colocation, colocate
 from ...serve.config import EngineConfig
-from ...serve.sampling import SamplingParams
+from ...serve.sampling_params import SamplingParams
 from .common import percentile, setup, write_report as _write
 from .kvflow import hotpot_text_ids
 

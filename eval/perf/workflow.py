@@ -40,12 +40,12 @@ from tqdm import tqdm
 from ...errors import KvshareError
 from ...random_adapters import random_adapter
 from ...splits import require_data_dir
-from ...serve.async_engine import AsyncEngine
+from ...serve.driver.engine_thread import AsyncEngine
 from ...serve.config import DEFAULT_COMPILE_MAX_ROWS
-from ...serve.engine import LLMEngine
-from ...serve.graph_cache import release_compiled_graphs
-from ...serve.openmp import release_openmp_workers
-from ...serve.workflow import (Agent, Completion, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed,
+from ...serve.engine.llm_engine import LLMEngine
+from ...serve.exec.graph_cache import release_compiled_graphs
+from ...serve.exec.openmp import release_openmp_workers
+from ...serve.workflow.runtime import (Agent, Completion, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed,
                                Workflow)
 from .common import percentile, setup, write_report as _write
 from ...loopback import free_port
@@ -94,7 +94,7 @@ class HFBackend:
     """transformers + PEFT: every call recomputes its whole prompt; one call at a time, on one
     thread of its own, after the loading thread's OpenMP workers are ended (as ``AsyncEngine``
     does for kvshare's engine: beside a second OpenMP team every small op of ``generate`` would
-    pay a wake-up, see :mod:`kvshare.serve.openmp`)."""
+    pay a wake-up, see :mod:`kvshare.serve.exec.openmp`)."""
 
     def __init__(self, model_dir: Path, adapter_paths: list[Path], tokenizer):
         from peft import PeftModel
@@ -343,7 +343,7 @@ def run_ray_workflow_bench(replicas: int, model: str = "smollm2-135m-instruct", 
     from transformers import AutoTokenizer
 
     from ...serve.config import EngineConfig
-    from ...serve.ray import APP_NAME, EngineSpec, RayServeOptions, start
+    from ...serve.ray.replicas import APP_NAME, EngineSpec, RayServeOptions, start
 
     bad = sorted(set(modes) - {"icarus", "alora", "lora"})
     if bad:

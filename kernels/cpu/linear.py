@@ -95,7 +95,7 @@ def linear_vnni_lora(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     """:func:`linear_vnni` plus each row's LoRA delta in the same pass: output columns
     ``offsets[p]`` on (``b_t[p].shape[-1]`` of them, multiples of 16) get ``scale[row] * (x
     A_p^T) B_p^T`` with the row's slot ``index[row]`` of ``a[p]`` [slots, rank, in] and ``b_t[p]``
-    [slots, rank, out] (the slot stacks of :mod:`kvshare.serve.lora_slots`); rows of scale 0 get
+    [slots, rank, out] (the slot stacks of :mod:`kvshare.serve.exec.lora_slots`); rows of scale 0 get
     none. The delta is added in float32 before the one rounding to bfloat16."""
     register()
     return torch.ops.kvshare.linear_vnni_lora(x, packed, bias, a, b_t, offsets, index, scale)

@@ -6,7 +6,7 @@ interpreter runs them on CPU tensors: slow, for tests). Whether these functions 
 compiled or interpreted is fixed when this package is imported (:data:`INTERPRETED`).
 
 The CUDA-graph step's LoRA (:mod:`.bgmv`, each row's slot read on the device) mirrors
-:func:`kvshare.serve.lora_slots.lora_delta`. ForkKV's residual attention (:mod:`.residual_attention`) mirrors
+:func:`kvshare.serve.exec.lora_slots.lora_delta`. ForkKV's residual attention (:mod:`.residual_attention`) mirrors
 :func:`kvshare.kernels.residual_attention.residual_attention_ref`.
 """
 

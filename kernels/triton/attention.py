@@ -171,7 +171,7 @@ def key_splits(programs: int, longest: int, device: torch.device) -> int:
 @dataclass(frozen=True)
 class AttentionLaunch:
     """The grid of one paged-attention launch: worked out per call from the step's host-side
-    layout, or fixed once for a CUDA graph that replays it (:mod:`kvshare.serve.cuda_graphs`),
+    layout, or fixed once for a CUDA graph that replays it (:mod:`kvshare.serve.exec.cuda_graphs`),
     where programs past a step's sequences or rows find no rows and return."""
 
     seqs: int  # programs along the sequences

@@ -1,5 +1,5 @@
 """Multi-adapter LoRA with each row's adapter slot read on the device (BGMV): the LoRA of the
-CUDA-graph decode step (:mod:`kvshare.serve.cuda_graphs`).
+CUDA-graph decode step (:mod:`kvshare.serve.exec.cuda_graphs`).
 
 The segment kernels (:mod:`.lora`) size their grid from the step's segments on the host; a
 graph replays one fixed grid over whatever rows the next step brings. Here every row is a
@@ -9,7 +9,7 @@ adapter, pad rows) return at once. *Shrink* ``t = x A[slot]^T`` (float32) and *e
 ``y += scale * t B[slot]`` into the projection's output columns, in place, are one launch
 where each column tile can afford to compute ``t`` again (small models: a launch costs more
 than those reads), else two, through float32 scratch. The gather form they replace in the
-graph (:func:`kvshare.serve.lora_slots.lora_delta`, their reference) records eight to ten
+graph (:func:`kvshare.serve.exec.lora_slots.lora_delta`, their reference) records eight to ten
 kernels a projection (``results/engine-gpu/scripts/count_launches.py``).
 """
 

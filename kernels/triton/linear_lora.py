@@ -14,7 +14,7 @@ its own columns and the bias, rounding once. Up to three parts of a fused projec
 gate/up) take their own A and B, found from the first part's by an element offset as in
 :func:`.bgmv.bgmv_lora_add_parts`; columns of a part no adapter adapts get no delta.
 
-The plain-torch reference is ``F.linear`` plus :func:`kvshare.serve.lora_slots.lora_delta`.
+The plain-torch reference is ``F.linear`` plus :func:`kvshare.serve.exec.lora_slots.lora_delta`.
 """
 
 from __future__ import annotations

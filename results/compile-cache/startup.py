@@ -1,5 +1,5 @@
 """Process start-up of a compiled SmolLM2 engine, twice: the first process lowers every graph
-and writes Inductor's graph cache, the second loads them (kvshare.serve.graph_cache).
+and writes Inductor's graph cache, the second loads them (kvshare.serve.exec.graph_cache).
 
     python results/compile-cache/startup.py [--out results/compile-cache]
 

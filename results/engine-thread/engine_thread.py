@@ -1,5 +1,5 @@
 """The compiled CPU decode step on the main thread and on AsyncEngine's thread, the creating
-thread's OpenMP workers kept or ended (kvshare.serve.openmp).
+thread's OpenMP workers kept or ended (kvshare.serve.exec.openmp).
 
     python results/engine-thread/engine_thread.py [--out results/engine-thread]
 
@@ -21,9 +21,9 @@ from pathlib import Path
 from kvshare.eval.perf import workflow
 from kvshare.eval.perf.common import setup
 from kvshare.serve import LLMEngine, SamplingParams
-from kvshare.serve import async_engine
-from kvshare.serve.async_engine import AsyncEngine
-from kvshare.serve.openmp import release_openmp_workers
+from kvshare.serve.driver import engine_thread as async_engine
+from kvshare.serve.driver.engine_thread import AsyncEngine
+from kvshare.serve.exec.openmp import release_openmp_workers
 
 PARAMS = SamplingParams(max_tokens=48, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 from kvshare.eval.perf import workflow
-from kvshare.serve import runner as runner_module
+from kvshare.serve.exec import runner as runner_module
 
 steps: list[dict] = []
 _run = runner_module.ModelRunner.run

@@ -26,7 +26,7 @@ blocks), model cards with ``root`` and ``parent``, and, behind a flag,
 client that sends them as vLLM's does gets the same reply. A request that leaves out ``model``
 runs on the first served base, as in vLLM 0.8 and later.
 
-One app can serve several co-located base models (:class:`~kvshare.serve.colocate.Colocation`):
+One app can serve several co-located base models (:class:`~kvshare.serve.driver.colocation.Colocation`):
 the ``model`` field routes each request to its base's engine (its tokenizer, chat template and
 context length), and ``/v1/models`` lists every base with its adapters.
 

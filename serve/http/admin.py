@@ -14,7 +14,7 @@ from fastapi import Depends
 from fastapi.responses import PlainTextResponse
 
 from ...errors import KvshareError
-from ..colocate import UnknownModel
+from ..driver.colocation import UnknownModel
 from .errors import ApiError
 from .lora_scope import StartupAdapterLocked
 from .protocol import LoadLoraRequest, UnloadLoraRequest

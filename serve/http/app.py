@@ -11,9 +11,9 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from ..colocate import Colocation
+from ..driver.colocation import Colocation
 from ..config import ServerLimits
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from . import admin, chat, completions, models, status, tokenize
 from .errors import ApiError, api_error, http_error, unexpected_error, validation_error
 from .middleware import ApiKeyGuard, BodyLimit, UnicodeCheckedRoute

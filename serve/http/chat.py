@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from ...errors import KvshareError
-from ..engine import LLMEngine, RequestOutput
+from ..engine.llm_engine import LLMEngine, RequestOutput
 from .errors import ApiError
 from .jobs import collect_all, start_all, unless_gone
 from .limits import check_limits, check_prompt

@@ -14,7 +14,7 @@ import time
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
-from ..engine import LLMEngine, RequestOutput
+from ..engine.llm_engine import LLMEngine, RequestOutput
 from .errors import ApiError
 from .jobs import collect_all, start_all, unless_gone
 from .limits import check_limits, check_prompt, check_scored

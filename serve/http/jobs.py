@@ -14,10 +14,10 @@ from typing import TypeVar
 from fastapi import Request
 
 from ...errors import KvshareError
-from ..async_engine import Overloaded
-from ..engine import RequestOutput
+from ..driver.engine_thread import Overloaded
+from ..engine.llm_engine import RequestOutput
 from ..hints import AgentHints
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .errors import ApiError
 from .state import ServerState
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..config import ServerLimits
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from .errors import ApiError
 from .protocol import ChatRequest, CompletionRequest, OpenAIRequest
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from ..engine import RequestOutput
+from ..engine.llm_engine import RequestOutput
 
 
 def entry_ids(entries: Iterable[dict | None]) -> set[int]:

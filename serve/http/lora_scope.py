@@ -21,8 +21,8 @@ from ...errors import KvshareError
 from ...manifest import MANIFEST_FILE, read as read_manifest
 
 if TYPE_CHECKING:
-    from ..adapters import LoadedAdapter
-    from ..colocate import Colocation
+    from ..exec.adapters import LoadedAdapter
+    from ..driver.colocation import Colocation
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ aLoRA read before its invocation (``alora_pre_invocation``), KV an adapter owns
 whole lora K/V reused as it is (``lora_full_reuse``, ``kv_layout="full_reuse"``); the five
 add up to ``kvshare_prefix_hit_tokens_total``.
 
-Co-located models (:class:`~kvshare.serve.colocate.Colocation`) share one registry: vLLM's names tell
+Co-located models (:class:`~kvshare.serve.driver.colocation.Colocation`) share one registry: vLLM's names tell
 them apart by ``model_name`` as always, ours gain a ``model_name`` label (one engine keeps
 them unlabelled), and ``kvshare:kv_blocks_{owned,lent,borrowed}{model_name=...}`` show each
 model's KV blocks: its own, those lent to the others and those borrowed (SwiftCache).
@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..cache.host_tier import TierStats
-from ..colocate import Colocation
-from ..engine import LLMEngine, RequestOutput
+from ..driver.colocation import Colocation
+from ..engine.llm_engine import LLMEngine, RequestOutput
 from ..kv_layout import REUSE_KINDS
 
 # LLMEngine.stats() keys that only grow (Prometheus counters); every other key is a gauge

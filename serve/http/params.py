@@ -1,4 +1,4 @@
-"""A request's fields -> what the engine runs: :class:`~kvshare.serve.sampling.SamplingParams`
+"""A request's fields -> what the engine runs: :class:`~kvshare.serve.sampling_params.SamplingParams`
 (one per choice), the prompt as truncated, and the agent hints."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import replace
 from fastapi import Request
 
 from ...errors import KvshareError
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..hints import AgentHints
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .errors import ApiError
 from .protocol import OpenAIRequest
 

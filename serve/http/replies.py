@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from ..engine import RequestOutput
+from ..engine.llm_engine import RequestOutput
 
 if TYPE_CHECKING:
     from .state import ServerState

@@ -1,7 +1,7 @@
 """What every route shares: one :class:`ServerState` per app, made by :func:`start_state`
 and handed to route handlers as a FastAPI dependency (:func:`get_state`).
 
-It holds the served engines (a :class:`~kvshare.serve.colocate.Colocation`, one or several
+It holds the served engines (a :class:`~kvshare.serve.driver.colocation.Colocation`, one or several
 bases) and the names they answer to, the server's limits, the engine thread, the two worker
 threads that keep CPU-bound work off the event loop, the metrics and the runtime-LoRA scope.
 """
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ...errors import KvshareError
-from ..async_engine import AsyncEngine
-from ..colocate import Colocation, UnknownModel
+from ..driver.engine_thread import AsyncEngine
+from ..driver.colocation import Colocation, UnknownModel
 from ..config import ServerLimits
-from ..engine import LLMEngine, RequestOutput
+from ..engine.llm_engine import LLMEngine, RequestOutput
 from .errors import ApiError
 from .lora_scope import RuntimeLoraScope
 from .metrics import ServerMetrics

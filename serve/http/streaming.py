@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from ..engine import RequestOutput
+from ..engine.llm_engine import RequestOutput
 from .jobs import Started
 from .logprobs import entry_texts
 from .protocol import CompletionRequest, OpenAIRequest

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import Depends
 
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from .chat import chat_tokens
 from .errors import ApiError
 from .limits import check_context, check_in_vocabulary

@@ -12,8 +12,8 @@ import time
 from kvshare.eval.perf.common import setup
 from kvshare.eval.perf.workflow import hotpot_contexts
 from kvshare.kernels import cpu
-from kvshare.serve.engine import LLMEngine
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.engine.llm_engine import LLMEngine
+from kvshare.serve.sampling_params import SamplingParams
 
 if __name__ == "__main__":
     engine = LLMEngine(setup("smollm2-135m-instruct", 2), dtype="bfloat16", kv_cache_tokens=4096, compile="off",

@@ -3,7 +3,7 @@ with adapters, in one process, five alternating rounds (medians of 24 steps each
 ``kvshare bench engine`` takes them):
 
 - ``python``: Inductor's Python wrapper, called as it was before session 18;
-- ``python+fresh``: the same, called from a fresh data-stack chunk (``serve/fresh_stack.py``);
+- ``python+fresh``: the same, called from a fresh data-stack chunk (``serve/exec/fresh_stack.py``);
 - ``cpp``: Inductor's C++ wrapper;
 - ``cpp+fresh``: the C++ wrapper from a fresh chunk (what the engine does since session 18).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import kvshare.serve.compiled as compiled
+import kvshare.serve.exec.compiled as compiled
 from kvshare.eval.perf.engine import _engine_step_time
 from kvshare.random_adapters import random_adapter
 from kvshare.serve import LLM

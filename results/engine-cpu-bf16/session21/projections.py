@@ -13,7 +13,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 from kvshare.kernels.cpu import linear as cpu_linear
-from kvshare.serve.compiled import INDUCTOR_OPTIONS
+from kvshare.serve.exec.compiled import INDUCTOR_OPTIONS
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 

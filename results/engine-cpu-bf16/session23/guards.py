@@ -13,7 +13,7 @@ import torch
 
 from kvshare.eval.perf.engine import _engine_step_time
 from kvshare.serve import LLM
-import kvshare.serve.compiled as C
+import kvshare.serve.exec.compiled as C
 
 model = Path.home() / ".cache/kvshare/models/smollm2-135m-instruct"
 llm = LLM(model, [], dtype="bfloat16", compile="on")

@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-import kvshare.serve.compiled as compiled
+import kvshare.serve.exec.compiled as compiled
 from kvshare.serve import LLM, SamplingParams
 
 

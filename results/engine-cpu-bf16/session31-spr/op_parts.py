@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import kvshare.serve.compiled as compiled
+import kvshare.serve.exec.compiled as compiled
 from kvshare.kernels import cpu
 from kvshare.kernels import step_attention as sa
 from kvshare.serve import LLM, SamplingParams

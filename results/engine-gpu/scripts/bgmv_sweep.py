@@ -5,7 +5,7 @@ loop of narrow ones, and one launch for a fused projection's parts may beat one 
 graphs again and times the engine's pair / base step (wall, as `bench engine` does) and the two
 graphs' replays alone (GPU time). The first variant is the kernel before session 27.
 Run in session 27 (sweep.txt) its second variant could not record: the dropped graphs' memory
-pool, fixed since in serve/cuda_graphs.py.
+pool, fixed since in serve/exec/cuda_graphs.py.
 
     python3 bgmv_sweep.py MODEL_DIR [cuda|cpu]     (cpu: under TRITON_INTERPRET=1, a smoke run)
 """
@@ -17,7 +17,7 @@ import torch
 from kvshare.eval.perf.engine import _pair_step_ratio
 from kvshare.kernels.triton import bgmv
 from kvshare.random_adapters import random_adapter
-from kvshare.serve.engine import LLM
+from kvshare.serve.engine.llm_engine import LLM
 
 if __name__ == "__main__":
     model, device = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cuda")

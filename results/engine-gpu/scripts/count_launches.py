@@ -25,8 +25,8 @@ from kvshare.kernels.triton.launch_count import count_launches  # noqa: E402
 from kvshare.models import resolve_model_dir  # noqa: E402
 from kvshare.random_adapters import random_adapter  # noqa: E402
 from kvshare.serve import LLM  # noqa: E402
-from kvshare.serve.cuda_graphs import GraphedStep  # noqa: E402
-from kvshare.serve.lora_slots import lora_delta  # noqa: E402
+from kvshare.serve.exec.cuda_graphs import GraphedStep  # noqa: E402
+from kvshare.serve.exec.lora_slots import lora_delta  # noqa: E402
 
 
 def gather_form(y, x, a, b_t, index, scale):

@@ -2,8 +2,8 @@
 import sys, tempfile, time
 import torch
 from torch.profiler import profile, ProfilerActivity
-from kvshare.serve.engine import LLM
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.engine.llm_engine import LLM
+from kvshare.serve.sampling_params import SamplingParams
 from kvshare.random_adapters import random_adapter
 
 model, dtype = sys.argv[1], sys.argv[2]

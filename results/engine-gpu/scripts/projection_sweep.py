@@ -27,7 +27,7 @@ if __name__ == "__main__":
     from kvshare.eval.perf.kernels import _timers
     from kvshare.kernels.triton import linear_lora as ll
     from kvshare.kernels.triton.bgmv import bgmv_lora_add_parts
-    from kvshare.serve.lora_slots import lora_delta
+    from kvshare.serve.exec.lora_slots import lora_delta
 
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     timers = _timers(torch.device(device))

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from kvshare.eval.perf.common import filler_prompt
 from kvshare.models import resolve_model_dir
 from kvshare.random_adapters import random_adapter
-from kvshare.serve.engine import LLM
-from kvshare.serve.sampling import SamplingParams
+from kvshare.serve.engine.llm_engine import LLM
+from kvshare.serve.sampling_params import SamplingParams
 
 CONTEXT = 1700
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_alpha
-from ..errors import KvshareError
-from ..export import verify_adapter_dir
-from ..manifest import check_loaded_files
-from ..safetensors_io import read_json, read_tensor_file
-from ..kinds import AdapterKind, KindSpec, kind_spec, parse_kind, serving_spec
-from .kv_layout import EXACT, KVLayout, layout_named
+from ...adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, lora_alpha
+from ...errors import KvshareError
+from ...export import verify_adapter_dir
+from ...manifest import check_loaded_files
+from ...safetensors_io import read_json, read_tensor_file
+from ...kinds import AdapterKind, KindSpec, kind_spec, parse_kind, serving_spec
+from ..kv_layout import EXACT, KVLayout, layout_named
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

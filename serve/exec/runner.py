@@ -11,15 +11,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KvshareError
-from ..kernels import Kernels
+from ...errors import KvshareError
+from ...kernels import Kernels
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan, build_batch
-from .cache.arena import BlockShape
-from .cache.layer_stream import LayerStream
+from ..cache.arena import BlockShape
+from ..cache.layer_stream import LayerStream
 from .compiled import CompiledStep, compile_wanted, resolve_mode, unpacked_int8
 from .cuda_graphs import GraphedStep, graphs_wanted
-from .config import DEFAULT_COMPILE_MAX_ROWS
+from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .model import Model
 from .sampler import logprobs_batch, sample_batch
 from .step_buckets import BucketedStep, StepUnavailable

@@ -33,9 +33,9 @@ from collections import deque
 from typing import Callable
 
 from .admission import WorkflowAdmission
-from .batch import StepPlan, plan_step
-from .cache import BlockManager, OutOfBlocks, OutOfResidualBlocks, PrefixLoading, PrefixPending
-from .sequence import Sequence, Status
+from ..exec.batch import StepPlan, plan_step
+from ..cache import BlockManager, OutOfBlocks, OutOfResidualBlocks, PrefixLoading, PrefixPending
+from ..sequence import Sequence, Status
 
 
 FILL_FROM = 32  # the smallest bucket a prompt chunk is cut back to (_fill_bucket)

@@ -19,10 +19,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..errors import KvshareError
-from .async_engine import AsyncEngine
-from .sampling import SamplingParams
-from .step_graph import StepGraph
+from ...errors import KvshareError
+from ..driver.engine_thread import AsyncEngine
+from ..sampling_params import SamplingParams
+from ..task_graph import StepGraph
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ figures only where the engine has one.
 from __future__ import annotations
 
 from .admission import WorkflowAdmission
-from .cache import BlockManager
+from ..cache import BlockManager
 from .scheduler import Scheduler
 
 

@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .arena import KVArena
+from ..cache.arena import KVArena
 
 
 @dataclass(frozen=True)

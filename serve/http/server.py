@@ -8,12 +8,12 @@ import them from this module.
 
 from __future__ import annotations
 
-from ..errors import KvshareError
-from .colocate import ModelSpec, build_colocation
-from .config import EngineConfig, ServerLimits
-from .engine import LLMEngine
-from .http import ApiError, ServerState, create_app
-from .http.protocol import ChatMessage, ChatRequest, CompletionRequest
+from ...errors import KvshareError
+from ..driver.colocation import ModelSpec, build_colocation
+from ..config import EngineConfig, ServerLimits
+from ..engine.llm_engine import LLMEngine
+from . import ApiError, ServerState, create_app
+from .protocol import ChatMessage, ChatRequest, CompletionRequest
 
 __all__ = ["ApiError", "ChatMessage", "ChatRequest", "CompletionRequest", "ServerState", "check_port_free",
            "create_app", "serve"]

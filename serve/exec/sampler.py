@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def allowed_mask(ids: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -18,12 +18,12 @@ import threading
 import time
 from typing import AsyncIterator
 
-from ..errors import KvshareError
-from .colocate import Colocation
-from .engine import LLMEngine, RequestOutput
-from .hints import AgentHints
-from .openmp import release_openmp_workers
-from .sampling import SamplingParams
+from ...errors import KvshareError
+from .colocation import Colocation
+from ..engine.llm_engine import LLMEngine, RequestOutput
+from ..hints import AgentHints
+from ..exec.openmp import release_openmp_workers
+from ..sampling_params import SamplingParams
 
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
 One thread steps them all, one engine after another, so two forwards never run at once (on
 a small CPU two torch threads only fight over the cores). Without lending every engine keeps
 its own fixed pool, a static partition of the memory; with a lending object (SwiftCache,
-:mod:`.cache.lending`) idle blocks move between the pools between steps, each engine taking
+:mod:`.lending`) idle blocks move between the pools between steps, each engine taking
 part through the :class:`~.lender.EngineLender` the co-location holds for it. Building the
 engines of a co-location (:func:`build_colocation`, :func:`colocate`) happens here too.
 """
@@ -17,15 +17,15 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import KvshareError
-from .adapters import LoadedAdapter
-from .cache.lending import Lending as SwiftCacheLending
-from .config import EngineConfig
-from .engine import LLMEngine, RequestOutput
-from .hints import AgentHints
+from ...errors import KvshareError
+from ..exec.adapters import LoadedAdapter
+from .lending import Lending as SwiftCacheLending
+from ..config import EngineConfig
+from ..engine.llm_engine import LLMEngine, RequestOutput
+from ..hints import AgentHints
 from .lender import EngineLender, build_arena, lenders_of, stream_split
-from .output import error_output
-from .sampling import SamplingParams
+from ..engine.output import error_output
+from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class UnknownModel(KvshareError):
 
 
 class Lending(Protocol):
-    """What the driver needs of a lending policy (:mod:`.cache.lending`)."""
+    """What the driver needs of a lending policy (:mod:`.lending`)."""
 
     def rebalance(self) -> None: ...
 

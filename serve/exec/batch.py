@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import AttentionMetadata, build_attention_metadata
-from ..kernels.lora import lora_groups
-from ..kernels.residual_attention import ResidualMetadata, build_residual_metadata
-from .sequence import Sequence
+from ...kernels import AttentionMetadata, build_attention_metadata
+from ...kernels.lora import lora_groups
+from ...kernels.residual_attention import ResidualMetadata, build_residual_metadata
+from ..sequence import Sequence
 
 
 @dataclass

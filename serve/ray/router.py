@@ -29,7 +29,7 @@ from collections import Counter, OrderedDict
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from .hints import MAX_NAME
+from ..hints import MAX_NAME
 
 SESSION_ID = re.compile(rf"[!-~]{{1,{MAX_NAME}}}")  # printable ASCII, no spaces; the engine's workflow id bound
 MAX_REMEMBERED_WORKFLOWS = 100_000  # least recently routed ones are forgotten (placed again by the ring)

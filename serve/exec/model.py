@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import KvshareError
-from ..kernels import Kernels
-from ..safetensors_io import load_tensors, model_weight_files
-from ..families import FAMILIES, rotary_for
-from ..models import refuse_what_the_engine_lacks
+from ...errors import KvshareError
+from ...kernels import Kernels
+from ...safetensors_io import load_tensors, model_weight_files
+from ...families import FAMILIES, rotary_for
+from ...models import refuse_what_the_engine_lacks
 from .batch import Batch
-from .cache.layer_stream import LayerStream
+from ..cache.layer_stream import LayerStream
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -39,8 +39,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import KvshareError
-from .sequence import Sequence
+from ...errors import KvshareError
+from ..sequence import Sequence
 
 RECENT = 32  # ended workflows whose final footprints make the estimate for the live ones
 

@@ -11,7 +11,7 @@ import torch
 
 from .adapters import AdapterSet
 from .batch import Batch, StepPlan
-from .config import COMPILE_BUCKETS, DEFAULT_COMPILE_MAX_ROWS
+from ..config import COMPILE_BUCKETS, DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import LoraSlots
 
 log = logging.getLogger(__name__)

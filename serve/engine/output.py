@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
+from ..sequence import Sequence
 
 # tokens decoded before the new ones, so that merges and leading spaces come out right
 _CONTEXT_TOKENS = 5

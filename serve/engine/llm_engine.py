@@ -25,29 +25,29 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KvshareError
-from ..fingerprint import fingerprints
-from ..hardware import warn_if_bf16_is_slow
-from ..kernels import Kernels
-from ..models import end_of_sequence_ids, sampling_defaults, load_tokenizer, resolve_model_dir
-from .adapters import AdapterSet, LoadedAdapter, find_invocation_start
+from ...errors import KvshareError
+from ...fingerprint import fingerprints
+from ...hardware import warn_if_bf16_is_slow
+from ...kernels import Kernels
+from ...models import end_of_sequence_ids, sampling_defaults, load_tokenizer, resolve_model_dir
+from ..exec.adapters import AdapterSet, LoadedAdapter, find_invocation_start
 from .admission import WorkflowAdmission
-from .batch import StepPlan
-from .cache import AgentTable, BlockManager, HostTier, make_policy
-from .cache.arena import BlockShape
-from .cache.residual import ResidualCache
-from .config import EngineConfig
-from .engine_stats import engine_stats, kv_usage
-from .hints import AgentHints
-from .kv_layout import layout_named
-from .model import Model
+from ..exec.batch import StepPlan
+from ..cache import AgentTable, BlockManager, HostTier, make_policy
+from ..cache.arena import BlockShape
+from ..cache.residual import ResidualCache
+from ..config import EngineConfig
+from .stats import engine_stats, kv_usage
+from ..hints import AgentHints
+from ..kv_layout import layout_named
+from ..exec.model import Model
 from .output import IncrementalDetokenizer, RequestOutput, error_output, make_output, stop_reason
-from .runner import DTYPES, ModelRunner, resolve_device
-from .sampler import allowed_mask
-from .sampling import SamplingParams
+from ..exec.runner import DTYPES, ModelRunner, resolve_device
+from ..exec.sampler import allowed_mask
+from ..sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
-from .step_buckets import BucketedStep
+from ..sequence import Sequence, Status
+from ..exec.step_buckets import BucketedStep
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "EngineConfig"]
 

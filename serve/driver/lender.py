@@ -1,6 +1,6 @@
 """One engine's side of SwiftCache lending, and the arena its engines start in.
 
-The lending policy (:class:`~.cache.lending.Lending`) moves exchange units of a shared
+The lending policy (:class:`~.lending.Lending`) moves exchange units of a shared
 :class:`~.cache.arena.KVArena` between co-located engines; it asks each engine, through the
 :class:`EngineLender` the co-location holds for it, how many blocks it needs now, which of a
 unit's blocks its requests hold, and has it take blocks in or give them back (preempting
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 
-from ..errors import KvshareError
-from .cache.arena import KVArena
-from .cache.lending import FLOOR_FRACTION, KVDemand
-from .config import EngineConfig
-from .engine import LLMEngine
+from ...errors import KvshareError
+from ..cache.arena import KVArena
+from .lending import FLOOR_FRACTION, KVDemand
+from ..config import EngineConfig
+from ..engine.llm_engine import LLMEngine
 
 
 class EngineLender:

@@ -35,11 +35,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..errors import KvshareError
-from .api_key import authorized
-from .config import EngineConfig, ServerLimits
-from .hints import MAX_NAME
-from .ray_router import WorkflowAffinityRouter, valid_session_id
+from ...errors import KvshareError
+from ..api_key import authorized
+from ..config import EngineConfig, ServerLimits
+from ..hints import MAX_NAME
+from .router import WorkflowAffinityRouter, valid_session_id
 
 APP_NAME = "kvshare"
 ENGINE_DEPLOYMENT = "KvshareEngine"
@@ -99,8 +99,8 @@ class KvshareEngine:
 
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-        from .engine import LLMEngine
-        from .http import create_app
+        from ..engine.llm_engine import LLMEngine
+        from ..http import create_app
 
         engine = LLMEngine(spec.model, list(spec.adapters), spec.config)
         for name, path in spec.lora_modules:
@@ -453,7 +453,7 @@ def serve_forever(spec: EngineSpec, options: RayServeOptions, *, host: str = "12
 
 def _check_paths(spec: EngineSpec) -> None:
     """Fail here, with one line, on a model or adapter folder that is not there (not in every replica)."""
-    from ..models import resolve_model_dir
+    from ...models import resolve_model_dir
 
     resolve_model_dir(spec.model)
     for path in list(spec.adapters) + [p for _, p in spec.lora_modules]:

@@ -33,11 +33,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..errors import KvshareError
+from ...errors import KvshareError
 from .adapters import AdapterSet
 from .batch import Batch
 from .compiled import resolve_mode
-from .config import DEFAULT_COMPILE_MAX_ROWS
+from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import PARTS
 from .model import Model, _rms_norm
 from .step_buckets import BucketedStep, StepUnavailable
@@ -188,9 +188,9 @@ class GraphedStep(BucketedStep):
 
     def _decode(self, kv_cache: torch.Tensor, size: int, adapted: bool, seq_rows: int) -> torch.Tensor:
         """The decoder over the first ``size`` rows of the buffers: what a graph records."""
-        from ..kernels.triton.attention import launch_paged_attention, launch_shape, split_partials, write_kv
-        from ..kernels.triton.bgmv import bgmv_lora_add_parts
-        from ..kernels.triton.linear_lora import fits, linear_lora
+        from ...kernels.triton.attention import launch_paged_attention, launch_shape, split_partials, write_kv
+        from ...kernels.triton.bgmv import bgmv_lora_add_parts
+        from ...kernels.triton.linear_lora import fits, linear_lora
 
         m = self.model
         launch = launch_shape(m.n_q, m.n_kv, size, seq_rows, self.tables.shape[1] * self.block_size, self.device)

@@ -42,16 +42,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import KvshareError
-from ..hardware import cpu_has_fast_bf16
-from ..kernels import build_attention_metadata, cpu
-from ..kernels.cpu import linear as cpu_linear
-from ..kernels.quant import Int4Weight, Int8Weight
-from ..kernels.step_attention import StepAttention, layer_rows
-from ..paths import kvshare_home
+from ...errors import KvshareError
+from ...hardware import cpu_has_fast_bf16
+from ...kernels import build_attention_metadata, cpu
+from ...kernels.cpu import linear as cpu_linear
+from ...kernels.quant import Int4Weight, Int8Weight
+from ...kernels.step_attention import StepAttention, layer_rows
+from ...paths import kvshare_home
 from .adapters import AdapterSet
 from .batch import Batch
-from .config import DEFAULT_COMPILE_MAX_ROWS
+from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, lora_delta
