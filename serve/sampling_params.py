@@ -1,4 +1,4 @@
-"""Sampling parameters as vLLM users know them (the sampler itself is :mod:`.sampler`)."""
+"""Sampling parameters as vLLM users know them (the sampler itself is :mod:`.exec.sampler`)."""
 
 from __future__ import annotations
 

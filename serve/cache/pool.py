@@ -1,7 +1,7 @@
 """A pool of KV blocks: ids, reference counts and a free list; the tensor lives elsewhere.
 
 The pool hands out block *ids* into a tensor view owned by the model runner. The view may be
-larger than the pool: with co-located engines (SwiftCache, :mod:`.lending`) it spans a whole
+larger than the pool: with co-located engines (SwiftCache, :mod:`kvshare.serve.driver.lending`) it spans a whole
 shared arena, and the pool owns only some of its blocks; :meth:`grant` and :meth:`withdraw`
 move blocks in and out, changing the free list, never the data.
 """

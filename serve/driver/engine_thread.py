@@ -3,7 +3,7 @@
 The engine is single-threaded by design (one forward at a time over one KV pool), so every
 call into it - add, abort, step - happens on one background thread; coroutines send it
 commands and receive each request's outputs on their own asyncio queue. Co-located models
-(:class:`~.colocate.Colocation`) share that one thread: a command names its model, and each
+(:class:`~.colocation.Colocation`) share that one thread: a command names its model, and each
 cycle steps every model with work, one after another.
 """
 

@@ -1,11 +1,11 @@
 """One engine's side of SwiftCache lending, and the arena its engines start in.
 
 The lending policy (:class:`~.lending.Lending`) moves exchange units of a shared
-:class:`~.cache.arena.KVArena` between co-located engines; it asks each engine, through the
+:class:`~..cache.arena.KVArena` between co-located engines; it asks each engine, through the
 :class:`EngineLender` the co-location holds for it, how many blocks it needs now, which of a
 unit's blocks its requests hold, and has it take blocks in or give them back (preempting
 requests if asked). These are the lender half of an engine, kept out of the
-:class:`~.engine.LLMEngine` facade that serves requests: a lender works on the engine's block
+:class:`~..engine.llm_engine.LLMEngine` facade that serves requests: a lender works on the engine's block
 manager, scheduler and runner directly, the one module besides the engine that does.
 """
 
@@ -138,7 +138,7 @@ def stream_split(engines: dict[str, LLMEngine], home_blocks: dict[str, int], nam
     Every block it serves streams through a row; a home block costs ``layers`` rows of
     local memory, a block the others lend none, so the split that serves the most,
     ``rows = home + lent``, gives ``home = (rows_total - lent) / (layers + 1)``: SwiftCache's
-    capacity rule (:func:`.cache.layer_stream.stream_capacity`), sized for the most the others
+    capacity rule (:func:`..cache.layer_stream.stream_capacity`), sized for the most the others
     can lend (their homes above their floors). All local memory as buffer, as before, served
     no more blocks than the others lent, whatever the buffer's rows."""
     shape = engines[name].block_shape

@@ -1,7 +1,7 @@
 """Elastic lending between co-located engines (SwiftCache's elastic cache).
 
 Between steps the driver calls :meth:`Lending.rebalance`, which moves exchange units of the
-shared :class:`~.arena.KVArena` (ownership only; no bytes move):
+shared :class:`~..cache.arena.KVArena` (ownership only; no bytes move):
 
 - **reclaim**: an engine short of blocks first takes back its own (home) units from
   whoever borrowed them, preempting the borrower's requests that hold them (they are
@@ -15,7 +15,7 @@ Demand is each engine's :meth:`Lender.kv_demand`: the blocks of the running requ
 more token each) and of the next waiting one. The lender's own requests never wait for a
 borrower: up to its floor it never lends, and within its home share a reclaim wins over any
 loan. This module is the policy alone: it sees each engine through its :class:`Lender`
-(:class:`~..lender.EngineLender`, which the co-location layer builds), never the engine.
+(:class:`~.lender.EngineLender`, which the co-location layer builds), never the engine.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ FLOOR_FRACTION = 0.25  # the share of its home units an engine never lends (the 
 
 
 class Lender(Protocol):
-    """What the policy asks of one co-located engine (:class:`~..lender.EngineLender`)."""
+    """What the policy asks of one co-located engine (:class:`~.lender.EngineLender`)."""
 
     block_size: int
     max_kv_blocks: int | None

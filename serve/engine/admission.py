@@ -7,7 +7,7 @@ the engine serves less than it did at a lower load. Measured with `kvshare bench
 (32 workflows of 8 ICaRus agents, 1.5k-token contexts, a pool of 8 contexts, 2 CPU cores,
 results/workflow-e2e/session22/w32): at 1 workflow/s the prefix hit rate fell from 0.86 to
 0.14, and throughput from 62 to 34 tok/s. Neither vLLM nor SGLang has this rule (they admit
-requests, not workflows); KVFlow's step graph (:mod:`.hints`) says which workflows still have
+requests, not workflows); KVFlow's step graph (:mod:`..hints`) says which workflows still have
 calls ahead.
 
 A workflow is *live* while one of its calls is in the engine, or its last finished call's

@@ -3,13 +3,13 @@
 A request goes: :meth:`LLMEngine.add_request` makes a :class:`Sequence` (its kind's spec,
 adapter slot and content digest) and queues it; each :meth:`LLMEngine.step` is
 schedule -> run -> postprocess: the scheduler picks work and plans its rows
-(:mod:`.batch`), the model runner builds the batch's tensor metadata, runs the model on its
-device with its kernels and samples (:mod:`.runner`), and the scheduler advances, publishes
-completed blocks to the prefix cache (:mod:`.cache`) and finishes sequences; the engine
+(:mod:`..exec.batch`), the model runner builds the batch's tensor metadata, runs the model on its
+device with its kernels and samples (:mod:`..exec.runner`), and the scheduler advances, publishes
+completed blocks to the prefix cache (:mod:`..cache`) and finishes sequences; the engine
 turns them into :class:`RequestOutput` (:mod:`.output`). Callers (server, benchmarks, eval)
 use only the methods and properties here, never the runner, cache or scheduler; what the
-engine reports is built in :mod:`.engine_stats`, and its side of SwiftCache lending
-between co-located engines is :class:`~.lender.EngineLender`.
+engine reports is built in :mod:`.stats`, and its side of SwiftCache lending
+between co-located engines is :class:`~..driver.lender.EngineLender`.
 """
 
 from __future__ import annotations

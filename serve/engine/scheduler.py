@@ -15,13 +15,13 @@ calls of running workflows behind it may go first (new workflows keep their orde
 The scheduler owns the sequence lifecycle, as in nano-vllm: admission, chunking and
 preemption here, and after the model ran, :meth:`Scheduler.postprocess` advances computed
 counts, publishes completed blocks, appends sampled tokens and finishes and frees sequences.
-Row costs come from the row planner (:mod:`.batch`), the same one that builds the batch.
+Row costs come from the row planner (:mod:`..exec.batch`), the same one that builds the batch.
 
 Where the step runs as a compiled graph padded to a row bucket (``row_buckets``), a prompt
 chunk that would spill just past a bucket is cut back to it (:meth:`Scheduler._fill_bucket`):
 its last rows wait a step instead of the whole step paying for a bucket twice the size. The
 running sequences hold at most ``max_adapters`` adapters (the graph's LoRA slots, vLLM's
-``max_loras``; :mod:`.lora_slots`), so that every step fits the slots (a step of one more would
+``max_loras``; :mod:`..exec.lora_slots`), so that every step fits the slots (a step of one more would
 run eager): as in vLLM, a waiting request of one more adapter is admitted once a running
 adapter's requests have all ended, and nobody behind it overtakes it meanwhile.
 """

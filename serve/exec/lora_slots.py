@@ -15,7 +15,7 @@ the weight, and rows of scale 0 skip them.
 As in vLLM, ``max_loras`` bounds the adapters of one step, not the adapters loaded: a step's
 adapters are brought into the stacks when it runs (:meth:`LoraSlots.serves`), each into a free
 slot or the one least recently read by a step, and the scheduler keeps a step's adapters within
-``max_loras`` (:class:`~.scheduler.Scheduler`). Why: slots fixed by load order left every adapter
+``max_loras`` (:class:`~..engine.scheduler.Scheduler`). Why: slots fixed by load order left every adapter
 past the 8th on the eager step: 16 ICaRus agents decoding together ran every step eager, at
 3.2x the base's step, and run 2.9x faster with 8 slots swapped as now
 (results/workflow-e2e/session32-spr/pair_steps.txt, many_agents.txt). Rewriting a slot copies

@@ -4,7 +4,7 @@ libgomp (torch's OpenMP on Linux) lets an idle worker spin briefly before it sle
 while the process manages no more OpenMP threads than it has CPUs; past that, workers sleep
 at once and every parallel region pays a futex wake-up. The thread that loads and compiles
 the model keeps its team of workers (torch's intra-op threads). When the engine then steps
-on its own thread (:class:`~.async_engine.AsyncEngine`, what the server runs), that thread
+on its own thread (:class:`~..driver.engine_thread.AsyncEngine`, what the server runs), that thread
 gets a second team, and torch's many small parallel regions run 2-4x slower. Measured on a
 2-vCPU VM (torch 2.13): a compiled decode step of 8 ICaRus pairs took 81-90 ms on the engine
 thread against 49 ms on the main thread; with the creating thread's workers ended first,

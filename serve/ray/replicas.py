@@ -1,11 +1,11 @@
 """``kvshare serve --ray``: kvshare engines as Ray Serve replicas behind one HTTP address.
 
 Two deployments. ``KvshareEngine`` replicas each hold an engine over the same base and
-adapters and run the very app ``kvshare serve`` runs (:func:`.http.create_app`), called
+adapters and run the very app ``kvshare serve`` runs (:func:`..http.create_app`), called
 in-process as an ASGI app. ``KvshareGateway``, the ingress, reads a request's workflow id
 (the ``x-session-id`` header, else the body's ``kvshare_hints.workflow_id``) and forwards the
 request unchanged to an engine replica through a Ray handle carrying that id as its session
-id; the engines' router (:mod:`.ray_router`) then keeps every call of a workflow on one
+id; the engines' router (:mod:`.router`) then keeps every call of a workflow on one
 replica. Without affinity the engines use Ray's default router (power of two choices).
 Every reply names its replica in ``x-kvshare-replica`` (and its Ray node in ``x-kvshare-node``).
 

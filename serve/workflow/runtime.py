@@ -5,8 +5,8 @@ every agent's prompt starts with exactly the tokens the previous calls saw: with
 adapters that prefix is one shared KV cache; with conventional LoRA each agent needs its
 own. Tools are simulated (a fixed delay and a fixed-length observation cut from the task's
 own text). Calls go to the in-process engine or to a kvshare server; each carries typed
-hints (:mod:`.hints`): the workflow and agent ids and the steps to every agent's next call,
-read off the pattern's step graph (:mod:`.step_graph`), which KVFlow's step-aware eviction
+hints (:mod:`..hints`): the workflow and agent ids and the steps to every agent's next call,
+read off the pattern's step graph (:mod:`..task_graph`), which KVFlow's step-aware eviction
 and prefetch use. Over HTTP the ids also travel as headers, for routers.
 """
 
