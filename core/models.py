@@ -17,11 +17,8 @@ import torch
 
 from . import zoo
 from .errors import KvshareError
-from .families import FAMILIES
+from .model_check import check_model_dir
 from .safetensors_io import model_weight_files, read_json, tensor_specs
-
-# Llama-family decoders whose attention the engine reproduces exactly (families.py).
-SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 
 def resolve_model_dir(name_or_dir: str | Path) -> Path:
@@ -104,28 +101,6 @@ def hub_cached_dir(repo_id: str) -> Path | None:
     if not revisions:
         return None
     return max(revisions, key=lambda rev: rev.last_modified).snapshot_path
-
-
-def check_model_dir(model_dir: Path) -> dict:
-    """Check a Hugging Face model folder is of a supported family with safetensors weights.
-
-    Returns its config.json as a dict.
-    """
-    model_dir = Path(model_dir)
-    config = read_json(model_dir / "config.json")
-    family = config.get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        raise KvshareError(
-            f"{model_dir}: model_type {family!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
-    if config.get("transformers_weights"):  # transformers would load that file; kvshare reads model.safetensors
-        raise KvshareError(f"{model_dir}: config.json names its weights (transformers_weights), which kvshare "
-                           "does not follow; save the model again with save_pretrained")
-    model_weight_files(model_dir)
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise KvshareError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")
-    return config
 
 
 _BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")  # frequencies chosen from the batch's largest position

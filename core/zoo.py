@@ -213,7 +213,7 @@ def _convert(gguf_path: Path, out_dir: Path, steps: tqdm) -> dict:
 def _is_intact(target: Path) -> bool:
     """True when the folder's record exists, its config and tokenizer are there, and every
     weight file's checksum matches."""
-    from .models import check_model_dir
+    from .model_check import check_model_dir  # (here: it reads safetensors, which loads torch)
 
     record_path = target / RECORD_FILE
     if not record_path.is_file():

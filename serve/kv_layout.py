@@ -12,13 +12,19 @@ planner, block manager, scheduler and engine ask the row, never compare names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import KvshareError
 from ..kinds import KindSpec, ShareScope
 
-if TYPE_CHECKING:
-    from .sequence import Sequence
+
+class KeyedRequest(Protocol):
+    """What a layout reads of a sequence to key its blocks (a :class:`~.sequence.Sequence`)."""
+
+    spec: KindSpec
+    adapter_digest: str | None
+    invocation_start: int | None
+
 
 FORKKV_BASE = "forkkv-base"  # owner of base parts computed by ForkKV agents: a namespace of its own
 FULL_REUSE_OWNER = "lora-full-reuse"  # owner of whole lora K/V shared as-is (ForkKV's quality baseline)
@@ -51,13 +57,13 @@ class KVLayout:
         """Its sequences hold blocks in the residual pool beside those of the KV pool."""
         return bool(self.residual_projections)
 
-    def block_owner(self, seq: Sequence, block_end: int) -> str | None:
+    def block_owner(self, seq: KeyedRequest, block_end: int) -> str | None:
         """Owner of the full block of ``seq`` that ends before position ``block_end``."""
         if self.shared_owner is not None:
             return self.shared_owner
         return seq.spec.kv_owner(seq.adapter_digest, block_end, seq.invocation_start)
 
-    def reuse_kind(self, seq: Sequence, owner: str | None) -> str:
+    def reuse_kind(self, seq: KeyedRequest, owner: str | None) -> str:
         """Which of :data:`REUSE_KINDS` a hit of ``seq`` on a block owned by ``owner`` is."""
         if self.hit_kind is not None:
             return self.hit_kind

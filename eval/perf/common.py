@@ -80,3 +80,14 @@ def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callab
     results.setdefault("provenance", provenance(this_command()))  # command, commit, machine, versions
     write_text_atomic(out / f"{stem}.json", json.dumps(results, indent=1))  # never a half-written report
     write_text_atomic(out / f"{stem}.md", markdown(results))
+
+
+def same_memory_settings(base_tokens: int, width: int, rank: int, agents: int) -> dict:
+    """Engine settings that give ForkKV the bytes of a ``base_tokens`` exact pool: a base pool
+    and a residual pool with a slot per base slot for each of ``agents`` agents. A residual
+    token costs rank/width of an exact one, so base = total / (1 + agents * rank / width)."""
+    share = rank / width
+    base = max(1, int(base_tokens / (1 + agents * share)))
+    residual = max(1, int((base_tokens - base) / share))
+    return {"kv_layout": "forkkv", "kv_cache_tokens": base, "forkkv_residual_tokens": residual,
+            "forkkv_max_rank": rank}

@@ -27,24 +27,13 @@ from tqdm import tqdm
 from ...random_adapters import random_adapter
 from ...serve.engine.llm_engine import LLMEngine
 from ...serve.sampling_params import SamplingParams
-from .common import filler_prompt, setup, write_report as _write
+from .common import filler_prompt, same_memory_settings, setup, write_report as _write
 
 
 def kv_widths(engine: LLMEngine) -> tuple[int, int]:
     """(bytes of one token's exact K/V over all layers, n = kv_heads x head_dim)."""
     shape = engine.block_shape
     return engine.kv_bytes_per_token, shape.kv_heads * shape.head_dim
-
-
-def same_memory_settings(base_tokens: int, width: int, rank: int, agents: int) -> dict:
-    """Engine settings that give ForkKV the bytes of a ``base_tokens`` exact pool: a base pool
-    and a residual pool with a slot per base slot for each of ``agents`` agents. A residual
-    token costs rank/width of an exact one, so base = total / (1 + agents * rank / width)."""
-    share = rank / width
-    base = max(1, int(base_tokens / (1 + agents * share)))
-    residual = max(1, int((base_tokens - base) / share))
-    return {"kv_layout": "forkkv", "kv_cache_tokens": base, "forkkv_residual_tokens": residual,
-            "forkkv_max_rank": rank}
 
 
 def _bytes_holding(engine: LLMEngine) -> int:

@@ -47,7 +47,7 @@ from ...serve.exec.graph_cache import release_compiled_graphs
 from ...serve.exec.openmp import release_openmp_workers
 from ...serve.workflow.runtime import (Agent, Completion, EngineBackend, RoundRobin, ServerBackend, SimulatedTool, Skewed,
                                Workflow)
-from .common import percentile, setup, write_report as _write
+from .common import percentile, same_memory_settings, setup, write_report as _write
 from ...loopback import free_port
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, kv_space_gib, vllm_serve_command
 
@@ -269,8 +269,6 @@ def _pool_settings(mode: str, agents: int, model_dir: Path, kv_cache_tokens: int
     if mode != "forkkv":
         return {"kv_cache_tokens": kv_cache_tokens}
     from transformers import AutoConfig
-
-    from .forkkv import same_memory_settings
 
     c = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     width = c.num_key_value_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
