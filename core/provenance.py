@@ -7,6 +7,7 @@ kind it was measured on. Light on purpose: torch is asked for its GPU only if al
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import shlex
 import subprocess
@@ -86,8 +87,6 @@ def this_command() -> list[str]:
 
 
 def _cpu_count() -> int | None:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

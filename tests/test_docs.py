@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     mkdocs = Path(sys.executable).parent / "mkdocs"
     done = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(out)], cwd=REPO,
-                          capture_output=True, text=True, env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+                          capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return out
 

@@ -26,7 +26,7 @@ log = logging.getLogger("mkdocs.plugins.kvshare.figures")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
 _CODE = re.compile(r"`[^`]*`")
-_NUMBER = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.]*\d)|(?<![\w.])\d+\.\d+(?=x\b)")
+_NUMBER = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.]*\d)")  # 33.7, 2.33x; not 0.3.36
 _ITEM = re.compile(r"^\s*([-*]|\d+\.)\s")
 
 
@@ -61,7 +61,7 @@ def blocks(markdown: str) -> list[str]:
 
 def numbers(block: str) -> list[str]:
     text = _LINK.sub("]()", _CODE.sub("", block))
-    return [m for m in _NUMBER.findall(text)]
+    return _NUMBER.findall(text)
 
 
 def _json_numbers(value, found: set[float]) -> None:
