@@ -93,4 +93,9 @@ def _cpu_count() -> int | None:
 if __name__ == "__main__":  # python -m kvshare.provenance OUT.json COMMAND...: for scripts under results/
     import json
 
+    try:  # a script's result may come from a GPU: torch names it
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
     Path(sys.argv[1]).write_text(json.dumps(provenance(sys.argv[2:]), indent=1) + "\n")

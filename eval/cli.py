@@ -40,7 +40,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .harness import require_adapter_dir
 
     require_adapter_dir(args.adapter)  # now, not after the data and the model load
-    fast_path = {"kernels": args.kernels, "compile": args.compile}
+    if args.task != "suite":
+        from ..serve.exec.runner import resolve_device
+
+        resolve_device(args.device)  # cuda without a GPU: an error now, not after loading the model
+    fast_path = {"kernels": args.kernels, "compile": args.compile, "device": args.device}
     if args.task in ("humaneval", "humanevalplus", "mbpp", "suite"):
         from . import sandbox
 
@@ -611,6 +615,8 @@ def register(sub) -> None:
                    "can be compared with the default's (kvshare eval compare)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="the compiled CPU step (default auto); on/off are part of the run's settings")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the engine runs; a GPU run's "
+                   "samples are logged apart from a CPU run's")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--overwrite", action="store_true",
@@ -620,7 +626,7 @@ def register(sub) -> None:
                    help="code: where no sandbox (Linux namespaces) can be built, run the generated programs "
                    "unjailed, with this user's rights, network and files (default: refuse)")
     spec_decides = ("model", "adapter", "limit", "shots", "prompt_format", "dataset", "samples", "temperature",
-                    "max_tokens", "dtype", "batch", "kernels", "compile")  # a suite's spec says these
+                    "max_tokens", "dtype", "batch", "kernels", "compile", "device")  # a suite's spec says these
     p.set_defaults(func=_cmd_eval, spec_decides={name: p.get_default(name) for name in spec_decides})
 
     p = sub.add_parser("lm-eval", help="run lm-eval with the kvshare model registered",

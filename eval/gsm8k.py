@@ -112,6 +112,6 @@ def gsm8k_task(limit: int | None = None, shots: int = 0, max_tokens: int = 256,
 def evaluate_gsm8k(model: str, adapter: str | None, out_dir: str | Path, limit: int | None = None,
                    shots: int = 0, batch: int = 8, max_tokens: int = 256, prompt_format: str = "chat",
                    dtype: str = "float32", overwrite: bool = False, kernels: str = "auto",
-                   compile: str = "auto") -> dict:
+                   compile: str = "auto", device: str = "cpu") -> dict:
     return evaluate(gsm8k_task(limit, shots, max_tokens, prompt_format), model, adapter, out_dir, batch, dtype,
-                    overwrite, kernels=kernels, compile=compile)
+                    overwrite, device=device, kernels=kernels, compile=compile)

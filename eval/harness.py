@@ -112,12 +112,13 @@ def settings_hash(settings: dict) -> str:
 
 def engine_settings(llm: LLM, task: EvalTask, adapter: str | None) -> dict:
     """:func:`run_settings` of an adapter (None = the base) loaded in ``llm``; a fast path
-    asked for by name (``kernels``, ``compile`` other than auto) is part of the settings, so its
-    outputs never mix with the default path's in one log."""
+    asked for by name (``kernels``, ``compile`` other than auto) and a device other than the CPU
+    are part of the settings, so their outputs never mix with the default path's in one log."""
     engine = llm.engine
     digest = engine.adapter(adapter).digest if adapter else None
     settings = run_settings(task, engine.model_name, engine.fingerprint, adapter, digest, engine.config.dtype)
-    return {**settings, **{k: v for k, v in fast_path(engine.config).items() if v != "auto"}}
+    device = {"device": engine.config.device} if engine.config.device != "cpu" else {}
+    return {**settings, **{k: v for k, v in fast_path(engine.config).items() if v != "auto"}, **device}
 
 
 def fast_path(config) -> dict:

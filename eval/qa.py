@@ -61,6 +61,6 @@ def f1_task(dataset: str = "hotpotqa", limit: int | None = None, max_tokens: int
 
 def evaluate_f1(model: str, adapter: str | None, out_dir: str | Path, dataset: str = "hotpotqa",
                 limit: int | None = None, batch: int = 8, max_tokens: int = 32, dtype: str = "float32",
-                overwrite: bool = False, kernels: str = "auto", compile: str = "auto") -> dict:
+                overwrite: bool = False, kernels: str = "auto", compile: str = "auto", device: str = "cpu") -> dict:
     return evaluate(f1_task(dataset, limit, max_tokens), model, adapter, out_dir, batch, dtype, overwrite,
-                    kernels=kernels, compile=compile)
+                    device=device, kernels=kernels, compile=compile)

@@ -25,6 +25,8 @@ from test_engine import base  # noqa: F401
     (["bench", "forkkv-quality", "--adapters", "a", "--limit", "0"], "--limit must be at least 1"),
     (["bench", "workflow", "--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
     (["eval", "gsm8k", "--out", "o", "--shots", "-1"], "--shots must be at least 0"),
+    (["eval", "f1", "--out", "o", "--device", "gpu"], "device must be cpu or cuda"),
+    (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--device", "cuda"], "from --spec, not --device"),
     (["eval", "gsm8k", "--out", "o", "--adapter", "no/such/adapter"], "no/such/adapter: no such adapter folder"),
     (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--limit", "3"], "from --spec, not --limit"),
     (["eval", "suite", "--out", "o", "--spec", "suite.yaml", "--max-tokens", "64"], "from --spec, not --max-tokens"),

@@ -5,20 +5,23 @@
 # pre-registered in README.md. Resumable: every finished piece is kept and skipped, an
 # interrupted training resumes from its last checkpoint. Run from the repo root, alone:
 #   KVSHARE_DATA=../shared/data bash results/quality/squad-study/run.sh
-# STEPS=train,eval,compare picks parts; SEEDS / KINDS pick runs (default 0 1 2 / lora icarus alora).
+# STEPS=train,eval,base,compare picks parts; SEEDS / KINDS pick runs (default 0 1 2 / lora icarus alora);
+# DEVICE=cuda scores on a GPU (training takes one when torch sees it); BASE names the base's folder.
 # Follow-ups, not part of the pre-registered comparison: STEPS=fastpath (seed 0's adapters through
 # bfloat16, int8, int4 and the eager step, each against its float32 run) and STEPS=forkkv
 # (kvshare bench forkkv-quality over the LoRA seeds; N=4 needs a fourth: SEEDS=3 KINDS=lora STEPS=train,eval).
 set -euo pipefail
 study=results/quality/squad-study
-steps=${STEPS:-train,eval,compare}
+steps=${STEPS:-train,eval,base,compare}
+base=${BASE:-base}
+device=(${DEVICE:+--device "$DEVICE"})
 evaluate() {  # FOLDER [--adapter DIR] [flags]: held-out SQuAD F1/EM; per-item scores kept as samples.jsonl.gz
   local out=$study/$1; shift  # float32 unless the flags say otherwise (argparse: the last --dtype wins)
   if [ -f "$out/results.json" ]; then return; fi
   if [ -f "$out/samples.jsonl.gz" ] && [ ! -f "$out/samples.jsonl" ]; then gunzip -k "$out/samples.jsonl.gz"; fi
-  kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
+  kvshare eval f1 --dataset squad --dtype float32 "${device[@]}" --out "$out" "$@"
   gzip -kf "$out/samples.jsonl"
-  provenance "$out/provenance.json" kvshare eval f1 --dataset squad --dtype float32 --out "$out" "$@"
+  provenance "$out/provenance.json" kvshare eval f1 --dataset squad --dtype float32 "${device[@]}" --out "$out" "$@"
 }
 provenance() {  # FILE COMMAND...: the command, the commit, the machine and the versions of a result
   python -m kvshare.provenance "$@"
@@ -40,14 +43,14 @@ for seed in ${SEEDS:-0 1 2}; do
     if [[ $steps == *eval* ]] && [ -f "$run/adapter/kvshare.json" ]; then evaluate "evals/$kind-s$seed" --adapter "$run/adapter"; fi
   done
 done
-if [[ $steps == *eval* ]]; then evaluate evals/base; fi
+if [[ $steps == *base* ]]; then evaluate "evals/$base"; fi
 if [[ $steps == *compare* ]]; then
   systems=()
   for kind in lora icarus alora; do
     runs=$(ls -d $study/evals/$kind-s* 2>/dev/null | while read -r d; do [ -f "$d/results.json" ] && echo "$d"; done | paste -sd, -)
     if [ -n "$runs" ]; then systems+=("$kind=$runs"); fi
   done
-  kvshare eval compare "${systems[@]}" "base=$study/evals/base" --reference lora --base base --margin 3 \
+  kvshare eval compare "${systems[@]}" "base=$study/evals/$base" --reference lora --base base --margin 3 \
       --out "$study/compare"
 fi
 if [[ $steps == *fastpath* ]]; then  # the fast paths' quality cost on the same items, paired to float32
