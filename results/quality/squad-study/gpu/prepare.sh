@@ -22,9 +22,9 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
   cp "$model/$f" .gpu-a/config/
 done
 cp -r "$data/squad" .gpu-a/data/
-dd if="$wheel" of=.gpu-a/model.part1 bs=1M count=30 status=none
-dd if="$wheel" of=.gpu-b/model.part2 bs=1M skip=30 count=40 status=none
-dd if="$wheel" of=.gpu-c/model.part3 bs=1M skip=70 status=none
+dd if="$wheel" of=.gpu-a/model.part1 bs=1M count=22 status=none
+dd if="$wheel" of=.gpu-b/model.part2 bs=1M skip=22 count=40 status=none
+dd if="$wheel" of=.gpu-c/model.part3 bs=1M skip=62 status=none
 sha256sum "$wheel" | sed "s|  .*|  $(basename "$wheel")|" > .gpu-c/model.sha256
 sha256sum "$model/model.safetensors" | cut -d' ' -f1 > .gpu-c/weights.sha256
 du -sh .whl .gpu-a .gpu-b .gpu-c
