@@ -59,9 +59,11 @@ def default_metric(task: str | None) -> str:
 
 
 def samples_path(run: str | Path) -> Path:
-    """A run's ``samples.jsonl``: the file itself, or the evaluation's --out folder."""
+    """A run's ``samples.jsonl``: the file itself, or the evaluation's --out folder (its
+    ``samples.jsonl``, else the ``samples.jsonl.gz`` a results folder commits)."""
     path = Path(run)
-    path = path / "samples.jsonl" if path.is_dir() else path
+    if path.is_dir():
+        path = path / "samples.jsonl" if (path / "samples.jsonl").is_file() else path / "samples.jsonl.gz"
     if not path.is_file():
         raise KvshareError(f"{run}: no samples.jsonl (is it a kvshare eval --out folder?)")
     return path

@@ -4,6 +4,7 @@ so that readers such as ``kvshare eval compare`` start fast."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -34,7 +35,10 @@ def read_log(path: Path, repair: bool = True) -> tuple[dict | None, dict[str, di
     to skip."""
     if not path.is_file():
         return None, {}
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".gz":  # a committed log, compressed: read only
+        text, repair = gzip.decompress(path.read_bytes()).decode("utf-8"), False
+    else:
+        text = path.read_text(encoding="utf-8")
     whole = _whole_lines(text)
     if repair and whole != text:
         write_text_atomic(path, whole)

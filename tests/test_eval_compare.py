@@ -240,3 +240,19 @@ def test_no_share_of_a_gain_the_reference_does_not_make(tmp_path, cli):
     result = run_cli(cli, *args, "--base", "base", "--out", tmp_path / "out")
     share = json.loads((tmp_path / "out" / "compare.json").read_text())["systems"]["icarus"]["gain_share"]
     assert share["share"] is None and "does not beat the base" in result.out
+
+
+def test_a_committed_compressed_log_compares_like_the_log_itself(tmp_path, cli):
+    """Results folders commit ``samples.jsonl.gz``: compare reads it where no log is beside it."""
+    import gzip
+
+    rng = np.random.default_rng(5)
+    lora, icarus = rng.random(200), rng.random(200)
+    plain = run_cli(cli, f"lora={write_run(tmp_path / 'l', lora)}", f"icarus={write_run(tmp_path / 'i', icarus)}")
+    for run in ("l", "i"):
+        log = tmp_path / run / "samples.jsonl"
+        (tmp_path / run / "samples.jsonl.gz").write_bytes(gzip.compress(log.read_bytes()))
+        log.unlink()
+    packed = run_cli(cli, f"lora={tmp_path / 'l'}", f"icarus={tmp_path / 'i'}")
+    assert packed.code == 0, packed.err
+    assert packed.out == plain.out and "| icarus |" in packed.out

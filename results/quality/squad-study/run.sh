@@ -47,7 +47,8 @@ if [[ $steps == *base* ]]; then evaluate "evals/$base"; fi
 if [[ $steps == *compare* ]]; then
   systems=()
   for kind in lora icarus alora; do
-    runs=$(ls -d $study/evals/$kind-s* 2>/dev/null | while read -r d; do [ -f "$d/results.json" ] && echo "$d"; done | paste -sd, -)
+    runs=""
+    for d in "$study/evals/$kind"-s*; do if [ -f "$d/results.json" ]; then runs+="${runs:+,}$d"; fi; done
     if [ -n "$runs" ]; then systems+=("$kind=$runs"); fi
   done
   kvshare eval compare "${systems[@]}" "base=$study/evals/$base" --reference lora --base base --margin 3 \
