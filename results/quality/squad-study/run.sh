@@ -53,6 +53,15 @@ if [[ $steps == *compare* ]]; then
   done
   kvshare eval compare "${systems[@]}" "base=$study/evals/$base" --reference lora --base base --margin 3 \
       --out "$study/compare"
+  for seed in 0 1 2; do  # McNemar on exact match takes one run a system: seed by seed
+    pairs=()
+    for kind in lora icarus alora; do
+      if [ -f "$study/evals/$kind-s$seed/results.json" ]; then pairs+=("$kind=$study/evals/$kind-s$seed"); fi
+    done
+    if [ ${#pairs[@]} -gt 1 ]; then
+      kvshare eval compare "${pairs[@]}" --reference lora --metric exact_match --margin 3 --out "$study/compare-em/s$seed"
+    fi
+  done
 fi
 if [[ $steps == *fastpath* ]]; then  # the fast paths' quality cost on the same items, paired to float32
   for kind in lora icarus alora; do
