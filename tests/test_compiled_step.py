@@ -230,7 +230,7 @@ def test_int8_weights_in_bfloat16_score_as_the_eager_step(base, adapters, tokeni
     _assert_steps_score_as_eager(llm, tokenizer, monkeypatch)
 
 
-def test_when_it_is_chosen(monkeypatch):
+def test_when_it_is_chosen(monkeypatch, caplog):
     cpu, torch_kernels, int8 = torch.device("cpu"), Kernels("torch"), Kernels("int8")
     monkeypatch.setenv("KVSHARE_COMPILE", "auto")
     assert compile_wanted("auto", cpu, torch.float32, torch_kernels)
@@ -240,7 +240,9 @@ def test_when_it_is_chosen(monkeypatch):
     monkeypatch.setattr(compiled_module, "cpu_has_fast_bf16", lambda: True)  # bfloat16 instructions
     assert compile_wanted("auto", cpu, torch.bfloat16, torch_kernels)
     assert compile_wanted("auto", cpu, torch.bfloat16, int8)
-    assert not compile_wanted("auto", cpu, torch.float32, int8)  # float32 activations dequantise per call
+    with caplog.at_level("WARNING"):
+        assert not compile_wanted("auto", cpu, torch.float32, int8)  # float32 activations dequantise per call
+    assert "int8 weights go through it with bfloat16 activations only" in caplog.text  # said, not silent
     assert not compile_wanted("off", cpu, torch.float32, torch_kernels)
     monkeypatch.setenv("KVSHARE_COMPILE", "off")
     assert not compile_wanted("auto", cpu, torch.float32, torch_kernels)
@@ -481,3 +483,71 @@ def test_a_compile_that_fails_serves_eager_instead_of_failing_requests(base, ada
     assert sum("compiling the CPU step failed" in r.message for r in caplog.records) == 1
     llm.engine.warm_up_all()  # nothing to compile once it gave up
     assert len(calls) == 1
+
+
+def test_auto_lowers_graphs_in_the_background_while_steps_run_eager(base, adapters, tokenizer, monkeypatch):
+    """``compile="auto"``: the first steps of a bucket run eager (no step waits for a compile)
+    and queue its graph on the process's compile worker; once lowered, the same steps run it,
+    with the eager engine's tokens throughout, and no graph is compiled twice."""
+    from kvshare.serve.exec.background_compile import compile_worker
+
+    monkeypatch.setenv("KVSHARE_COMPILE", "auto")
+    llm = LLM(base, list(adapters.values()), compile="auto", **SETTINGS)
+    eager = LLM(base, list(adapters.values()), compile="off", **SETTINGS)
+    step = llm.engine.runner.compiled
+    assert step.background and not step.traced
+    prompts, names = prompts_for(tokenizer, 2), [None, "icarus-a"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in _generate(eager, prompts, names, params)]
+    first = _generate(llm, prompts, names, params)
+    assert [o.token_ids for o in first] == want
+    assert compile_worker().wait_idle(timeout=900), "the background compiles did not finish"
+    assert step.traced == {(4, True)}  # the decode steps' bucket (base row + ICaRus pair), with its deltas
+    before = step.steps
+    again = _generate(llm, prompts, names, params)
+    assert [o.token_ids for o in again] == want
+    assert step.steps - before >= 5 and step.recompiles == 0 and not compile_worker().failed
+
+
+def test_a_short_job_exits_without_waiting_for_its_background_compile(base, tmp_path):
+    """A process that generates a few tokens with ``compile="auto"`` and ends: its graph is
+    still being lowered on the daemon worker, and the process exits cleanly all the same."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "short_job.py"
+    script.write_text(
+        "import sys\n"
+        "from kvshare.serve import LLM, SamplingParams\n"
+        "from kvshare.serve.exec.background_compile import compile_worker\n"
+        f"llm = LLM({str(base)!r}, compile='auto', kv_cache_tokens=512, block_size=4)\n"
+        "out = llm.generate(['one two three'], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "print('tokens', len(out[0].token_ids), 'compiled', llm.engine.runner.compiled.steps, "
+        "'pending', compile_worker().pending() > 0, flush=True)\n")
+    env = {**__import__("os").environ, "KVSHARE_COMPILE": "auto"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens 4 compiled 0 pending True" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_compile_on_another_thread_runs_with_the_raised_recompile_limits(base, monkeypatch):
+    """Dynamo's limits are per thread: a graph compiled on the server's engine thread or the
+    background worker must see ours (the default 8 failed a server's ninth graph after the
+    first eight had been paid for), whatever the thread that built the engine set."""
+    import threading
+
+    import torch._dynamo
+
+    llm = LLM(base, compile="on", **SETTINGS)
+    seen = []
+
+    def record(*args):
+        seen.append((torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(compiled_module, "call_in_fresh_chunk", record)
+    worker = threading.Thread(target=llm.engine.warm_up, args=((1,),))
+    worker.start()
+    worker.join()
+    assert seen == [tuple(compiled_module.RECOMPILE_LIMITS.values())]

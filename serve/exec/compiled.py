@@ -35,6 +35,9 @@ import logging
 import os
 import sys
 import threading
+import time
+import weakref
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -50,6 +53,7 @@ from ...kernels.quant import Int4Weight, Int8Weight
 from ...kernels.step_attention import StepAttention, layer_rows
 from ...paths import kvshare_home
 from .adapters import AdapterSet
+from .background_compile import compile_worker
 from .batch import Batch
 from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .fresh_stack import call_in_fresh_chunk
@@ -68,12 +72,17 @@ INDUCTOR_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATE
 # (1.16x a base step; 1.10x from C++, results/engine-cpu-bf16/session18). The base graph gains
 # nothing measurable there, and a C++ wrapper costs about 25% more to compile on a cache miss.
 GRAPH_OPTIONS = {adapted: {**INDUCTOR_OPTIONS, "cpp_wrapper": adapted} for adapted in (False, True)}
+# every bucket, variant and engine of the process is a recompile of the same code (Dynamo's
+# defaults, 8 and 256, made a server's ninth graph fail after the first eight had been paid for)
+RECOMPILE_LIMITS = {"recompile_limit": 1024, "accumulated_recompile_limit": 8192}
 _PROJECTIONS = ("_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` multiplies by
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
-# Dynamo's stance (which guards a call runs) is process-wide: engines stepped on two threads
-# take turns calling their graphs, so one's first call never runs on another's reduced guards
+# Dynamo's stance (which guards a call runs) and Inductor's config are process-wide: whoever
+# changes them holds this lock, so that a compile (a first call, on an engine's thread or the
+# background worker) never runs on another call's reduced guards. A call of a graph already
+# compiled that finds the lock taken runs without touching either, on full guards.
 _stance_lock = threading.Lock()
 
 # The op is declared without mutated arguments: the KV memory it writes is not a graph input,
@@ -323,6 +332,11 @@ def compile_wanted(mode: str, device: torch.device, dtype: torch.dtype, kernels)
         blocker = compiler_blocker() if wanted else None
         if blocker:
             _warn_eager(blocker)
+        if device.type == "cpu" and linear in ("int8", "int4") and dtype == torch.float32:
+            better = ("--dtype bfloat16 with them" if cpu_has_fast_bf16()
+                      else "float32 with the default kernels (this CPU has no bfloat16 instructions)")
+            _warn_eager(f"{linear} weights go through it with bfloat16 activations only, and run several times "
+                        f"slower eager; {better} runs compiled")
         return wanted and blocker is None
     if mode != "on" or device.type != "cpu":  # on a GPU, "on" asks for CUDA graphs (:mod:`.cuda_graphs`)
         return False
@@ -340,7 +354,8 @@ class CompiledStep(BucketedStep):
     """One engine's compiled decoder: a graph per (bucket, with or without LoRA), compiled on
     first use in each process (or ahead, by :meth:`warm_up`)."""
 
-    def __init__(self, model: Model, max_rows: int = DEFAULT_COMPILE_MAX_ROWS, max_loras: int = 8, max_lora_rank: int = 64):
+    def __init__(self, model: Model, max_rows: int = DEFAULT_COMPILE_MAX_ROWS, max_loras: int = 8,
+                 max_lora_rank: int = 64, background: bool = False):
         import torch._dynamo
         import torch._inductor.config
 
@@ -348,10 +363,6 @@ class CompiledStep(BucketedStep):
         # choice is kept
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
-        # every bucket and variant of every engine in the process is a recompile of the same code
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4096)
         super().__init__(model, max_rows, max_loras, max_lora_rank)
         packed: dict[str, torch.Tensor] = {}
         self._native = native_rows(model)
@@ -365,9 +376,46 @@ class CompiledStep(BucketedStep):
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
+        # background: a bucket without its graph runs eager while the graph is lowered on the
+        # process's compile worker (:mod:`.background_compile`); else the step compiles it first
+        self.background = background
+        self._generation = 0  # bumped when the stacks are reallocated: a graph lowered for the old ones is dropped
 
     def forget_adapted(self) -> None:
+        self._generation += 1
         self.traced = {key for key in self.traced if not key[1]}
+
+    def graph_ready(self, size: int, adapted: bool, kv_cache: torch.Tensor) -> bool:
+        """Whether a step of bucket ``size`` runs the graph now. In the background mode a graph
+        not lowered yet is queued on the compile worker and the step runs eager."""
+        if (size, adapted) in self.traced or not self.background:
+            return True
+        step, memory, generation = weakref.ref(self), weakref.ref(kv_cache), self._generation
+
+        def build() -> None:  # held weakly: the job of an engine dropped meanwhile is skipped
+            alive, kv = step(), memory()
+            if alive is not None and kv is not None:
+                alive._lower(size, adapted, kv, generation)
+
+        compile_worker().submit(f"{id(self)}:{size}:{adapted}:{generation}", build)
+        return False
+
+    def _lower(self, size: int, adapted: bool, kv_cache: torch.Tensor, generation: int) -> None:
+        """The worker's job: compile one graph with a step of no real rows, then let steps use it."""
+        if generation != self._generation or self.unavailable is not None:
+            return  # the stacks changed since it was queued: a step queues it again
+        log.warning("kvshare: compiling the CPU step for %d rows%s in the background; steps of that size "
+                    "run eager until it is ready", size, " with adapters" if adapted else "")
+        start = time.perf_counter()
+        tokens, positions, batch, lora = self._dummy_step(size, adapted, kv_cache.device)
+        try:
+            self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0, size), first=True)
+        except StepUnavailable:
+            return
+        if generation == self._generation:
+            self.traced.add((size, adapted))
+            log.warning("kvshare: the CPU step for %d rows%s is compiled (%.0f s); steps of that size run it",
+                        size, " with adapters" if adapted else "", time.perf_counter() - start)
 
     @torch.no_grad()
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -383,7 +431,12 @@ class CompiledStep(BucketedStep):
         lora = ()
         if batch.lora_groups:
             lora = (*self.lora.row_inputs(batch.lora_groups, size, tokens.device), *self.lora.inputs())
-        hidden = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows, size))
+        first = (size, bool(lora)) not in self.traced  # only without the background worker
+        if first:
+            log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute; cached for these weights)",
+                        size, " with adapters" if lora else "")
+            self.traced.add((size, bool(lora)))
+        hidden = self._run(size, tokens, positions, lora, self._context(kv_cache, batch, rows, size), first)
         self.steps += 1
         return self._head(hidden.index_select(0, batch.logit_rows))
 
@@ -397,15 +450,12 @@ class CompiledStep(BucketedStep):
 
     @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
     def _run(self, size: int, tokens: torch.Tensor, positions: torch.Tensor, lora: tuple[torch.Tensor, ...],
-             context: _StepContext) -> torch.Tensor:
+             context: _StepContext, first: bool) -> torch.Tensor:
+        """Call the graph; ``first``: compile it (holding the process's stance lock)."""
         from torch._dynamo.utils import counters
 
         adapted = bool(lora)
-        first = (size, adapted) not in self.traced
-        if first:
-            log.warning("kvshare: compiling the CPU step for %d rows%s (about a minute; cached for these weights)",
-                        size, " with adapters" if adapted else "")
-            self.traced.add((size, adapted))
+        owned = _stance_lock.acquire(blocking=first)  # a compiled graph beside a compile: full guards
         graphs = counters["stats"]["unique_graphs"]
         _step.context = context
         try:
@@ -419,8 +469,12 @@ class CompiledStep(BucketedStep):
             # tell apart every variant seen (bucket, stack shapes, engine); a variant not seen
             # yet, or stacks reallocated (``traced`` forgets the graphs with adapters), runs
             # them all (``first``).
-            with _stance_lock, torch._inductor.config.patch(freezing=True, post_grad_custom_post_pass=self._key()), \
-                    torch.compiler.set_stance(skip_guard_eval_unsafe=not first):
+            with ExitStack() as settings:
+                if owned:  # (Dynamo's and Inductor's configs are per thread: set where the compile runs)
+                    settings.enter_context(torch._dynamo.config.patch(RECOMPILE_LIMITS))
+                    settings.enter_context(torch._inductor.config.patch(freezing=True,
+                                                                        post_grad_custom_post_pass=self._key()))
+                    settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
                 return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
         except Exception as err:
             if not first:
@@ -431,9 +485,12 @@ class CompiledStep(BucketedStep):
             _step.context = None
             if context.plan is not None:
                 cpu.end_step()
-            if not first and counters["stats"]["unique_graphs"] != graphs:
+            # (only with the lock held: else the worker may be compiling another graph meanwhile)
+            if owned and not first and counters["stats"]["unique_graphs"] != graphs:
                 self.recompiles += 1
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
+            if owned:
+                _stance_lock.release()
 
     def _key(self) -> WeightsKey | None:
         if self._weights_key is None and cache_frozen_graphs():
@@ -448,7 +505,6 @@ class CompiledStep(BucketedStep):
         the current rank (at least the smallest) and the projections ``adapters`` adapts (every
         projection where none is loaded): adapters of a higher rank, or of a projection not yet
         adapted, compile it again."""
-        empty = build_attention_metadata([], [], [], [], 1, kv_cache.device)
         todo = [size for size in (sizes or self.buckets) if (size, adapted) not in self.traced]
         if adapted and todo:
             # the stacks and projections of the adapters loaded, or, with none, every projection
@@ -459,16 +515,22 @@ class CompiledStep(BucketedStep):
                 self.forget_adapted()
         if self.unavailable is not None:  # a compile failed (logged): the engine serves eager
             return
-        device = kv_cache.device
         for size in tqdm(todo, desc="compile CPU step", unit="graph", disable=not todo):
-            # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
-            tokens, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
-            batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
-            lora = (*self.lora.row_inputs([], size, device), *self.lora.inputs()) if adapted else ()
+            tokens, positions, batch, lora = self._dummy_step(size, adapted, kv_cache.device)
+            self.traced.add((size, adapted))
             try:
-                self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0, size))
+                self._run(size, tokens, positions, lora, self._context(kv_cache, batch, 0, size), first=True)
             except StepUnavailable:
                 return
+
+    def _dummy_step(self, size: int, adapted: bool, device: torch.device) -> tuple:
+        """A step of ``size`` pad rows and no real ones (nothing written or read): what compiles a graph."""
+        # distinct tensors: Dynamo guards on aliasing, and a step's tokens and positions never alias
+        tokens, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
+        empty = build_attention_metadata([], [], [], [], 1, device)
+        batch = Batch(tokens, [], empty, torch.zeros(0, dtype=torch.long), [])
+        lora = (*self.lora.row_inputs([], size, device), *self.lora.inputs()) if adapted else ()
+        return tokens, positions, batch, lora
 
     def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int, size: int) -> _StepContext:
         if size <= self._native:

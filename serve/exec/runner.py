@@ -52,7 +52,9 @@ class ModelRunner:
         self.compiled: BucketedStep | None = None  # the graphs that run steps of up to max_step_rows rows
         if compile_wanted(compile_mode, device, dtype, kernels) and not (
                 resolve_mode(compile_mode) == "auto" and unpacked_int8(self.model)):
-            self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank)
+            # auto: graphs are lowered on a worker as the workload first needs them, steps run eager meanwhile
+            self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank,
+                                         background=resolve_mode(compile_mode) == "auto")
         elif graphs_wanted(compile_mode, device, self.model):
             self.compiled = GraphedStep(self.model, block_size, max_step_rows, max_loras, max_lora_rank)
         self.kernels = kernels

@@ -48,7 +48,13 @@ class BucketedStep:
         if not (self.unavailable is None and batch.forkkv is None and isinstance(kv_cache, torch.Tensor)
                 and hidden_capture is None and self.bucket(len(batch.tokens)) is not None):
             return False
-        return self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters)
+        if not self.serves_adapters([slot for slot, _ in batch.lora_groups], adapters):
+            return False
+        return self.graph_ready(self.bucket(len(batch.tokens)), bool(batch.lora_groups), kv_cache)
+
+    def graph_ready(self, size: int, adapted: bool, kv_cache) -> bool:
+        """Whether a step of bucket ``size`` (with adapters or not) may run its graph now."""
+        return True
 
     def serves_adapters(self, slots: list[int], adapters: AdapterSet) -> bool:
         """Whether the slot stacks hold every adapter slot in ``slots`` (brought up to date first)."""
@@ -77,7 +83,8 @@ class BucketedStep:
             fits = not plan.seq.layout.uses_residual_pool and rows + plan.num_rows <= self.buckets[-1]
             (few if fits else rest).append(plan)
             rows += plan.num_rows if fits else 0
-        if not few or not rest or not self.serves_adapters([p.seq.adapter_slot for p in few
-                                                             if p.seq.adapter_slot >= 0], adapters):
-            return [plans]
+        slots = [p.seq.adapter_slot for p in few if p.seq.adapter_slot >= 0]
+        if not few or not rest or not self.serves_adapters(slots, adapters) or not self.graph_ready(
+                self.bucket(rows), bool(slots), kv_cache):
+            return [plans]  # (split in two only where the few rows' graph is ready)
         return [few, rest]

@@ -1,0 +1,93 @@
+"""The compiled CPU step's graphs, lowered on a worker thread so that no step waits for one.
+
+Lowering one bucket's graph takes about a minute on 2 cores, and a server used to compile every
+bucket before its first request (minutes), an evaluation of three prompts each bucket it met.
+With ``--compile auto`` a step whose bucket has no graph yet runs the eager forward, which
+gives the same tokens, while this worker lowers the graphs the workload has used, one at a
+time, in the order first asked for; a graph is used from the first step after it is ready.
+A short job ends without waiting: the worker is a daemon, and a graph it had not finished is
+simply not used (Inductor writes its on-disk cache atomically).
+
+One worker for the whole process: Inductor's configuration (freezing, the on-disk cache's key)
+is process-wide, so two lowerings must not overlap; the worker runs at a lower CPU priority,
+so the eager steps it runs beside keep most of the cores. torch.compile's own threads are not
+used: Dynamo lowers a frame on the thread that first calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+NICENESS = 10  # the worker's (and its compiler's) CPU priority below the steps'
+
+
+class CompileWorker:
+    """A queue of graph builds, each a callable, run one at a time on a daemon thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[str, Callable[[], None]]] = queue.Queue()
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self.done: list[tuple[str, float]] = []  # (job, seconds) lowered so far, for reports and tests
+        self.failed: list[tuple[str, str]] = []
+
+    def submit(self, name: str, build: Callable[[], None]) -> bool:
+        """Queue ``build`` under ``name`` unless a job of that name is pending; True if queued."""
+        with self._lock:
+            if name in self._pending:
+                return False
+            self._pending.add(name)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="kvshare-compile", daemon=True)
+                self._thread.start()
+        self._jobs.put((name, build))
+        return True
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued build has run (True), or ``timeout`` seconds passed (False)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def _loop(self) -> None:
+        try:  # Linux takes a thread's id here: the compiler processes it starts inherit the priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            name, build = self._jobs.get()
+            start = time.perf_counter()
+            try:
+                build()
+                self.done.append((name, time.perf_counter() - start))
+            except Exception as err:  # the build logs and gives up its graphs; the steps stay eager
+                self.failed.append((name, f"{type(err).__name__}: {err}"))
+            finally:
+                with self._idle:
+                    self._pending.discard(name)
+                    self._idle.notify_all()
+
+
+_worker: CompileWorker | None = None
+_worker_lock = threading.Lock()
+
+
+def compile_worker() -> CompileWorker:
+    """The process's one worker (made on first use)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = CompileWorker()
+        return _worker
