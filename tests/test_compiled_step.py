@@ -507,6 +507,8 @@ def test_auto_lowers_graphs_in_the_background_while_steps_run_eager(base, adapte
     again = _generate(llm, prompts, names, params)
     assert [o.token_ids for o in again] == want
     assert step.steps - before >= 5 and step.recompiles == 0 and not compile_worker().failed
+    monkeypatch.setenv("KVSHARE_COMPILE_BACKGROUND", "0")  # as `kvshare bench` sets it: compiles in the foreground
+    assert not LLM(base, compile="auto", **SETTINGS).engine.runner.compiled.background
 
 
 def test_a_short_job_exits_without_waiting_for_its_background_compile(base, tmp_path):

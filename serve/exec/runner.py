@@ -7,6 +7,8 @@ else touches device tensors, so the engine and scheduler are plain Python over i
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import torch
@@ -52,9 +54,10 @@ class ModelRunner:
         self.compiled: BucketedStep | None = None  # the graphs that run steps of up to max_step_rows rows
         if compile_wanted(compile_mode, device, dtype, kernels) and not (
                 resolve_mode(compile_mode) == "auto" and unpacked_int8(self.model)):
-            # auto: graphs are lowered on a worker as the workload first needs them, steps run eager meanwhile
-            self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank,
-                                         background=resolve_mode(compile_mode) == "auto")
+            # auto: graphs are lowered on a worker as the workload first needs them, steps run eager
+            # meanwhile (not under `kvshare bench`, which compiles before its clocks)
+            background = resolve_mode(compile_mode) == "auto" and os.environ.get("KVSHARE_COMPILE_BACKGROUND") != "0"
+            self.compiled = CompiledStep(self.model, max_step_rows, max_loras, max_lora_rank, background=background)
         elif graphs_wanted(compile_mode, device, self.model):
             self.compiled = GraphedStep(self.model, block_size, max_step_rows, max_loras, max_lora_rank)
         self.kernels = kernels
