@@ -210,9 +210,23 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(func=run_lm_eval, lm_eval_args=argv[1:])
     else:
         args = parser.parse_args(argv)
-    if argv[:1] == ["bench"]:  # benchmarks compile before their clocks: no compile may run beside a timing
-        os.environ.setdefault("KVSHARE_COMPILE_BACKGROUND", "0")
+    if argv[:1] == ["bench"]:
+        return exit_code(lambda: _with_foreground_compiles(args.func, args))
     return exit_code(lambda: args.func(args))
+
+
+def _with_foreground_compiles(func, args: argparse.Namespace) -> int:
+    """Benchmarks compile before their clocks: no background compile may run beside a timing
+    (the engines they start, here or in processes they spawn, compile in the foreground)."""
+    before = os.environ.get("KVSHARE_COMPILE_BACKGROUND")
+    os.environ["KVSHARE_COMPILE_BACKGROUND"] = "0"
+    try:
+        return func(args)
+    finally:
+        if before is None:
+            os.environ.pop("KVSHARE_COMPILE_BACKGROUND", None)
+        else:
+            os.environ["KVSHARE_COMPILE_BACKGROUND"] = before
 
 
 if __name__ == "__main__":

@@ -331,6 +331,18 @@ def _cmd_bench_forkkv(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_startup(args: argparse.Namespace) -> int:
+    from .perf.startup import markdown, run_startup_bench
+
+    _at_least(args, 0, "adapters")
+    _at_least(args, 1, "decode_tokens", "kv_cache_tokens")
+    results = run_startup_bench(model=args.model, adapters=args.adapters, dtype=args.dtype, threads=args.threads,
+                                decode_tokens=args.decode_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                                out_dir=args.out)
+    print(markdown(results))
+    return 0
+
+
 def _cmd_bench_forkkv_quality(args: argparse.Namespace) -> int:
     from .perf.forkkv_quality import markdown, run_forkkv_quality
 
@@ -513,6 +525,18 @@ def register(sub) -> None:
     p.add_argument("--workflow-kv-contexts", type=float, default=6.0,
                    help="workflows: pool bytes, in workflow contexts (one per workflow: lora holds one per agent)")
     p.set_defaults(func=_cmd_bench_forkkv)
+
+    p = bsub.add_parser("startup", help="process start to first token, cold and warm; peak RSS; compile cache",
+                        description="Fresh processes start the engine (the base, then the base with random "
+                        "LoRA adapters), over an empty compile cache and again over the filled one, with "
+                        "the default --compile auto: seconds to load, to the first token and until every "
+                        "graph the workload used is compiled, decode rates before and after, peak RSS "
+                        "against weights + KV pool, the compile cache's size. JSON and markdown.")
+    _bench_common(p, "write startup_bench.json and startup_bench.md here")
+    p.add_argument("--adapters", type=int, default=8, help="random LoRA adapters of the second start")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens each agent decodes, before and after")
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.set_defaults(func=_cmd_bench_startup)
 
     p = bsub.add_parser("forkkv-quality", help="ForkKV's quality cost: F1 of lora agents taking turns, 3 KV modes",
                         description="N lora agents take turns answering over one shared QA context "
