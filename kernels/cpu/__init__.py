@@ -79,9 +79,10 @@ def _build():
 
     try:  # everything, the build folder included (a read-only home): the reference serves instead
         sources = [path.read_text() for path in _SOURCES]
-        # the torch it links (a venv's own path): two venvs sharing a home kept rewriting one
-        # build folder's ninja file, so each rebuilt the extension (75 s) after the other ran
-        digest = hashlib.sha256("\0".join((*sources, torch.__version__, torch.__file__, _cpu_digest())).encode()
+        # and where the sources and torch lie: two checkouts sharing a home wrote one build folder's
+        # ninja file with their own source paths in turn, and each rebuilt the extension (75 s)
+        where = (*map(str, _SOURCES), torch.__file__)
+        digest = hashlib.sha256("\0".join((*sources, *where, torch.__version__, _cpu_digest())).encode()
                                 ).hexdigest()[:16]
         folder = kvshare_home() / "ext" / f"cpu-{digest}"
         folder.mkdir(parents=True, exist_ok=True)
