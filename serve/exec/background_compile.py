@@ -8,10 +8,11 @@ time, in the order first asked for; a graph is used from the first step after it
 A short job ends without waiting: the worker is a daemon, and a graph it had not finished is
 simply not used (Inductor writes its on-disk cache atomically).
 
-One worker for the whole process: Inductor's configuration (freezing, the on-disk cache's key)
-is process-wide, so two lowerings must not overlap; the worker runs at a lower CPU priority,
-so the eager steps it runs beside keep most of the cores. torch.compile's own threads are not
-used: Dynamo lowers a frame on the thread that first calls it.
+One worker for the whole process: compiles serialise anyway (Dynamo's compile lock, and the
+process-wide guard stance a compile must hold, :mod:`.compiled`), and two C++ compilers at once
+would take the cores from the steps. The worker runs at a lower CPU priority, so the eager
+steps beside it keep most of the cores. Dynamo lowers a frame on the thread that calls it,
+with that thread's configuration, so the worker sets its own (:data:`.compiled.RECOMPILE_LIMITS`).
 """
 
 from __future__ import annotations

@@ -79,10 +79,10 @@ _PROJECTIONS = ("_qkv", "_o", "_gate_up", "_down")  # the weights ``_linear`` mu
 _LAYER_KEYS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "q_norm", "k_norm")
 
 _step = threading.local()  # the running step's context, read by the opaque op
-# Dynamo's stance (which guards a call runs) and Inductor's config are process-wide: whoever
-# changes them holds this lock, so that a compile (a first call, on an engine's thread or the
-# background worker) never runs on another call's reduced guards. A call of a graph already
-# compiled that finds the lock taken runs without touching either, on full guards.
+# Dynamo's stance (which guards a call runs) is process-wide (its and Inductor's configs are per
+# thread): whoever sets it holds this lock, so that a compile (a first call, on an engine's
+# thread or the background worker) never runs on another call's reduced guards. A call of a
+# graph already compiled that finds the lock taken leaves the stance alone: full guards.
 _stance_lock = threading.Lock()
 
 # The op is declared without mutated arguments: the KV memory it writes is not a graph input,
