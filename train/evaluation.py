@@ -60,5 +60,7 @@ def evaluate_adapter(adapter_dir: Path, base_model: str, task_name: str, limit: 
     from ..eval.harness import evaluate
 
     task = build_eval_task(task_name, limit, max_tokens)
-    results = evaluate(task, base_model, str(adapter_dir), out_dir, overwrite=True, device=device)
+    # eager: a curve point's few questions never amortise a compile (each step bucket took a
+    # minute), and graphs lowered in the background would outlive the evaluation, beside training
+    results = evaluate(task, base_model, str(adapter_dir), out_dir, overwrite=True, device=device, compile="off")
     return {"task": task.name, "n": len(task.items), **headline(results)}
