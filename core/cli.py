@@ -9,9 +9,9 @@ the error mapping.
 from __future__ import annotations
 
 import argparse
-import os
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 

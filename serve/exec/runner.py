@@ -8,7 +8,6 @@ else touches device tensors, so the engine and scheduler are plain Python over i
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
 import torch
