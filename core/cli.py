@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import exit_code
+from .errors import KvshareError, exit_code
 
 
 # modules with ``register(sub)``: each adds its subsystem's commands
@@ -74,6 +74,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .export import export_adapter
     from .safetensors_io import read_json
 
+    if args.format == "gguf":
+        from .gguf_export import export_gguf
+
+        if args.provenance or args.system_prompt:
+            raise KvshareError("--provenance and --system-prompt go into kvshare.json; a GGUF has no place for them")
+        out = export_gguf(args.checkpoint, base=args.base, out=args.out, kind=args.kind, name=args.name,
+                          invocation=args.invocation, force=args.force)
+        print(f"wrote llama.cpp adapter {out}")
+        return 0
+    if args.kind is None:
+        raise KvshareError("--kind is required (lora | alora | icarus)")
     provenance = read_json(Path(args.provenance)) if args.provenance else None
     out = export_adapter(
         args.checkpoint, kind=args.kind, base=args.base, out=args.out, name=args.name,
@@ -143,13 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="zoo model name, local Hugging Face folder, or cached hub id (org/name)")
     p.set_defaults(func=_cmd_models_fingerprint)
 
-    p = sub.add_parser("export", help="write a PEFT checkpoint as a kvshare adapter",
+    p = sub.add_parser("export", help="write a PEFT checkpoint as a kvshare adapter (or a llama.cpp GGUF)",
                        description="Check a PEFT LoRA checkpoint against a base and its kind's "
-                       "sharing rules, then write it with a kvshare.json manifest (atomically).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="PEFT adapter folder")
-    p.add_argument("--kind", required=True, help="lora | alora | icarus")
+                       "sharing rules, then write it with a kvshare.json manifest (atomically). "
+                       "--format gguf writes a LoRA or aLoRA adapter (a PEFT checkpoint, or a folder "
+                       "this command exported) as one llama.cpp adapter file instead.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="PEFT adapter folder (or, for --format gguf, "
+                   "an exported kvshare adapter folder)")
+    p.add_argument("--kind", help="lora | alora | icarus (required unless the folder holds kvshare.json)")
     p.add_argument("--base", required=True, metavar="MODEL", help="zoo name or local model folder")
-    p.add_argument("--out", required=True, metavar="DIR", help="adapter folder to create")
+    p.add_argument("--out", required=True, metavar="DIR", help="adapter folder to create (--format gguf: a file)")
+    p.add_argument("--format", choices=("kvshare", "gguf"), default="kvshare",
+                   help="kvshare: PEFT files + kvshare.json (default); gguf: a llama.cpp adapter (LoRA, aLoRA)")
     p.add_argument("--name", help="adapter name (default: the --out folder's name)")
     p.add_argument("--invocation", metavar="TEXT",
                    help="aLoRA invocation string (must encode to adapter_config's alora_invocation_tokens)")

@@ -8,7 +8,8 @@
 # STEPS=train,eval,base,compare picks parts; SEEDS / KINDS pick runs (default 0 1 2 / lora icarus alora);
 # DEVICE=cuda scores on a GPU (training takes one when torch sees it); BASE names the base's folder.
 # Follow-ups, not part of the pre-registered comparison: STEPS=fastpath (seed 0's adapters through
-# bfloat16, int8, int4 and the eager step, each against its float32 run) and STEPS=forkkv
+# bfloat16, int8, int4 and the eager step, each against a float32 run of the same adapter on the
+# same machine; a seed-0 adapter missing here, e.g. one trained on a lent GPU, is trained again) and STEPS=forkkv
 # (kvshare bench forkkv-quality over the LoRA seeds; N=4 needs a fourth: SEEDS=3 KINDS=lora STEPS=train,eval).
 set -euo pipefail
 study=results/quality/squad-study
@@ -64,16 +65,26 @@ if [[ $steps == *compare* ]]; then
   done
 fi
 if [[ $steps == *fastpath* ]]; then  # the fast paths' quality cost on the same items, paired to float32
-  for kind in lora icarus alora; do
+  for kind in ${KINDS:-alora lora icarus}; do  # seed 0's adapter; trained here (resumable) where absent
     run=runs/squad-$kind-s0
-    if [ ! -f "$run/adapter/kvshare.json" ]; then echo "fastpath: no $run/adapter (train it first)"; continue; fi
+    if [ ! -f "$run/adapter/kvshare.json" ]; then
+      resume=()
+      if [ -d "$run/checkpoints" ] && [ -n "$(ls -A "$run/checkpoints")" ]; then resume=(--resume); fi
+      kvshare train "recipes/squad-$kind.yaml" train.seed=0 "output_dir=$run" "${resume[@]}"
+      mkdir -p "$study/fastpath/train-$kind-s0" && cp "$run/metrics.jsonl" "$study/fastpath/train-$kind-s0/"
+      provenance "$study/fastpath/train-$kind-s0/provenance.json" kvshare train "recipes/squad-$kind.yaml" \
+          train.seed=0 "output_dir=$run"
+    fi
+    export KVSHARE_COMPILE_BACKGROUND=0  # every compiled step runs compiled, none eager while it builds
+    evaluate "fastpath/$kind-s0-float32" --adapter "$run/adapter"  # the reference: this adapter, this machine
     evaluate "fastpath/$kind-s0-bfloat16" --adapter "$run/adapter" --dtype bfloat16
     evaluate "fastpath/$kind-s0-int8" --adapter "$run/adapter" --dtype bfloat16 --kernels int8,cpu
     evaluate "fastpath/$kind-s0-int4" --adapter "$run/adapter" --dtype bfloat16 --kernels int4,cpu
     evaluate "fastpath/$kind-s0-eager" --adapter "$run/adapter" --compile off
-    kvshare eval compare "float32=$study/evals/$kind-s0" "bfloat16=$study/fastpath/$kind-s0-bfloat16" \
+    kvshare eval compare "float32=$study/fastpath/$kind-s0-float32" "bfloat16=$study/fastpath/$kind-s0-bfloat16" \
         "int8=$study/fastpath/$kind-s0-int8" "int4=$study/fastpath/$kind-s0-int4" \
         "eager=$study/fastpath/$kind-s0-eager" --reference float32 --margin 3 --out "$study/fastpath/compare-$kind"
+    unset KVSHARE_COMPILE_BACKGROUND
   done
 fi
 if [[ $steps == *forkkv* ]]; then  # ForkKV and full reuse against exact caching, all 623 questions
