@@ -4,7 +4,9 @@ This file must not import kvshare or torch (the peer venv has neither). It drive
 C API through llama-cpp-python: for each case, the KV memory is cleared, the prompt's first
 ``activate_at`` tokens are decoded with no adapter (aLoRA: the base computes them, as a
 cache shared with the base would hold them), the rest with the adapter at scale 1, then
-``new_tokens`` greedy tokens with the adapter. The logits of every prompt position and the
+``new_tokens`` greedy tokens with the adapter. K/V are kept in float32 and flash attention is
+off: llama.cpp's defaults (float16 K/V, its CPU flash attention in float16) move SmolLM2's logits
+by about 0.05, which would hide an adapter's error; without them the base is within 1e-4. The logits of every prompt position and the
 greedy tokens are saved to an ``.npz``; llama.cpp's log goes to stderr.
 
 Cases JSON: ``[{"name", "adapter": path or null, "tokens": [ids], "activate_at": int, "new_tokens": int}]``.
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     params = lc.llama_context_default_params()
     params.n_ctx = params.n_batch = 512
     params.n_threads = params.n_threads_batch = args.threads
+    params.type_k = params.type_v = lc.GGML_TYPE_F32  # llama.cpp keeps K/V in float16 by default
+    params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = lc.llama_init_from_model(model, params)
     batch = lc.llama_batch_init(512, 0, 1)
     adapters = {}
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
             adapters[path] = lc.llama_adapter_lora_init(model, path.encode())
             if not adapters[path]:
                 raise SystemExit(f"llama.cpp could not load the adapter {path}")
-        lc.llama_set_adapters_lora(ctx, (lc.llama_adapter_lora_p * 1)(adapters[path]), 1, (ctypes.c_float * 1)(1.0))
+        lc.llama_set_adapters_lora(ctx, (lc.llama_adapter_lora_p_ctypes * 1)(adapters[path]), 1,
+                                  (ctypes.c_float * 1)(1.0))
 
     def decode(tokens: list[int], start: int) -> list:
         batch.n_tokens = len(tokens)
