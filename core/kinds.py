@@ -16,6 +16,15 @@ from enum import Enum
 from .errors import KvshareError
 
 
+def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | None:
+    """PEFT's rule: the start of the last exact occurrence of the invocation tokens."""
+    n = len(invocation)
+    for start in range(len(tokens) - n, -1, -1):
+        if list(tokens[start:start + n]) == list(invocation):
+            return start
+    return None
+
+
 class AdapterKind(str, Enum):
     LORA = "lora"
     ALORA = "alora"

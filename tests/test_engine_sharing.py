@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvshare.serve import LLM, SamplingParams
-from kvshare.serve.exec.adapters import find_invocation_start
+from kvshare.kinds import find_invocation_start
 from kvshare.serve.kv_layout import FORKKV_BASE
 
 from test_engine import INVOCATION, adapters, base, invocation, prompts_for, tokenizer  # noqa: F401

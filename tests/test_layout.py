@@ -78,8 +78,10 @@ def test_regular_wheel_install_imports_every_subsystem(tmp_path):
     for expected in ("kvshare/__init__.py", "kvshare/train/__init__.py", "kvshare/serve/__init__.py",
                      "kvshare/kernels/__init__.py", "kvshare/eval/__init__.py", "kvshare/serve/http/__init__.py",
                      "kvshare/serve/cache/__init__.py", "kvshare/eval/perf/__init__.py",
-                     "kvshare/schemas/manifest.schema.json"):
+                     "kvshare/schemas/manifest.schema.json", "kvshare/serve/vllm_plugin/__init__.py"):
         assert expected in names
+    entry_points = next(site.glob("kvshare-*.dist-info")) / "entry_points.txt"
+    assert "[vllm.general_plugins]\nkvshare = kvshare.serve.vllm_plugin:register" in entry_points.read_text()
     code = ("import kvshare, kvshare.train, kvshare.serve, kvshare.kernels, kvshare.eval;"
             "import kvshare.serve.cache, kvshare.serve.http, kvshare.eval.perf.engine, kvshare.cli;"
             "from kvshare import manifest; manifest.schema(); print(kvshare.__file__)")

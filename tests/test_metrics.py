@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvshare.serve import LLMEngine, SamplingParams
 from kvshare.serve.http.metrics import ServerMetrics
-from kvshare.serve.exec.adapters import find_invocation_start
+from kvshare.kinds import find_invocation_start
 from kvshare.serve.http.server import create_app
 
 from test_engine import adapters, base, invocation, prompts_for, tokenizer  # noqa: F401

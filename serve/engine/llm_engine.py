@@ -30,7 +30,8 @@ from ...fingerprint import fingerprints
 from ...hardware import warn_if_bf16_is_slow
 from ...kernels import Kernels
 from ...models import end_of_sequence_ids, sampling_defaults, load_tokenizer, resolve_model_dir
-from ..exec.adapters import AdapterSet, LoadedAdapter, find_invocation_start
+from ...kinds import find_invocation_start
+from ..exec.adapters import AdapterSet, LoadedAdapter
 from .admission import WorkflowAdmission
 from ..exec.batch import StepPlan
 from ..cache import AgentTable, BlockManager, HostTier, make_policy

@@ -73,15 +73,6 @@ def adapter_digest(path: Path, kind: AdapterKind, invocation: list[int] | None, 
     return "sha256:" + h.hexdigest()
 
 
-def find_invocation_start(tokens: list[int], invocation: list[int]) -> int | None:
-    """PEFT's rule: the start of the last exact occurrence of the invocation tokens."""
-    n = len(invocation)
-    for start in range(len(tokens) - n, -1, -1):
-        if tokens[start:start + n] == invocation:
-            return start
-    return None
-
-
 def check_finite(path: Path, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]) -> None:
     """Refuse NaN or Inf in an adapter's factors or scales, as they will be served (after the
     cast to the engine's dtype, which can overflow). Such an adapter's rows write NaN into KV

@@ -1,0 +1,76 @@
+"""aLoRA in vLLM's worker: accept the adapter, run its pre-invocation tokens on base weights.
+
+vLLM builds each step's per-token adapter map by repeating a request's adapter over its
+scheduled tokens (``InputBatch.make_lora_inputs``). The runner's ``set_active_loras`` is
+wrapped: for an aLoRA request, the scheduled tokens at positions before the activation start
+(:func:`.kinds.activation_start`) get no adapter, so their K/V equal the base's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kinds import activation_start
+
+_UNSET = object()
+
+
+def _start(state) -> int | None:
+    """A request's activation start, computed once from its prompt and kept on its state."""
+    start = getattr(state, "_kvshare_alora_start", _UNSET)
+    if start is _UNSET:
+        lora = state.lora_request
+        start = activation_start(state.prompt_token_ids, lora.lora_path) if lora is not None else None
+        state._kvshare_alora_start = start
+    return start
+
+
+def mask_before_activation(runner, input_batch, num_scheduled: np.ndarray, num_sampled: np.ndarray,
+                           prompt_map: tuple[int, ...], token_map: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """``prompt_map``/``token_map`` with no adapter wherever an aLoRA request's token (or its
+    sampled position) lies before the request's activation start."""
+    tokens, prompts = list(token_map), list(prompt_map)
+    token_at = sampled_at = 0
+    for i, req_id in enumerate(input_batch.req_ids[: len(num_scheduled)]):
+        scheduled, sampled = int(num_scheduled[i]), int(num_sampled[i])
+        start = _start(runner.requests[req_id])
+        if start is not None:
+            first = int(input_batch.num_computed_tokens_cpu[i])
+            for j in range(scheduled):
+                if first + j < start:
+                    tokens[token_at + j] = 0
+            last = first + scheduled - 1
+            for j in range(sampled):
+                if last - (sampled - 1 - j) < start:
+                    prompts[sampled_at + j] = 0
+        token_at += scheduled
+        sampled_at += sampled
+    return tuple(prompts), tuple(tokens)
+
+
+def _set_active_loras(self, input_batch, num_scheduled_tokens, num_sampled_tokens=None, *args, **kwargs):
+    if num_sampled_tokens is None:
+        num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
+    prompt_map, token_map, requests = input_batch.make_lora_inputs(num_scheduled_tokens, num_sampled_tokens)
+    prompt_map, token_map = mask_before_activation(self, input_batch, num_scheduled_tokens, num_sampled_tokens,
+                                                   prompt_map, token_map)
+    return self._set_active_loras(prompt_map, token_map, requests, *args, **kwargs)
+
+
+def _without_alora_refusal(validate):
+    def validate_features(self) -> list[str]:
+        return [message for message in validate(self) if "Activated LoRA" not in message]
+
+    validate_features.kvshare_patched = True
+    return validate_features
+
+
+def install() -> None:
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    if getattr(PEFTHelper._validate_features, "kvshare_patched", False):
+        return
+    PEFTHelper._validate_features = _without_alora_refusal(PEFTHelper._validate_features)
+    _set_active_loras.kvshare_patched = True
+    LoRAModelRunnerMixin.set_active_loras = _set_active_loras

@@ -1,0 +1,41 @@
+"""Which kvshare kind a vLLM LoRA request's folder holds, read once per folder.
+
+vLLM's ``LoRARequest`` carries only a name, an id and a path, so the kind and the invocation
+tokens come from the folder: PEFT's ``adapter_config.json`` (``alora_invocation_tokens``).
+A path that is not a readable folder (vLLM's warm-up uses made-up ones) is a plain LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from ...kinds import find_invocation_start
+
+
+@lru_cache(maxsize=1024)
+def invocation_tokens(lora_path: str | None) -> tuple[int, ...] | None:
+    """The aLoRA invocation tokens of the adapter at ``lora_path``; None for any other adapter."""
+    if not lora_path:
+        return None
+    try:
+        config = json.loads((Path(lora_path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    tokens = config.get("alora_invocation_tokens") if isinstance(config, dict) else None
+    return tuple(int(t) for t in tokens) if tokens else None
+
+
+NEVER = sys.maxsize  # an aLoRA whose prompt lacks the invocation adapts nothing (PEFT's rule)
+
+
+def activation_start(prompt: list[int] | None, lora_path: str | None) -> int | None:
+    """The first position an aLoRA request's adapter computes: where the invocation last
+    starts in the prompt, :data:`NEVER` when the prompt lacks it; None for other adapters."""
+    invocation = invocation_tokens(lora_path)
+    if invocation is None:
+        return None
+    start = find_invocation_start(list(prompt or []), list(invocation))
+    return NEVER if start is None else start

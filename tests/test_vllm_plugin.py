@@ -1,0 +1,137 @@
+"""kvshare's vLLM plugin inside vLLM's CPU build: aLoRA served, its pre-invocation blocks shared.
+
+Runs vLLM 0.32 in its peer venv (``KVSHARE_VLLM_VENV``; markers ``integration`` and
+``peers``, skipped without it) on SmolLM2-135M-Instruct in float32, with kvshare installed
+there as an unpacked wheel, so vLLM loads the plugin through its entry point. Against
+kvshare's engine (itself exact against PEFT) and vLLM's own per-request cached-token counts:
+
+- aLoRA's greedy tokens equal kvshare's, alone and in one batch beside the base and a LoRA;
+- the base's blocks before the invocation serve the aLoRA request, and its blocks serve the
+  base, no further (the blocks that reach the invocation are the adapter's own);
+- a plain LoRA shares nothing, and its tokens are still kvshare's (vLLM's CPU LoRA kernels
+  gave base tokens beside a LoRA the adapter's delta; the plugin fixes that too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from kvshare.export import export_adapter
+from kvshare.serve import LLM, SamplingParams
+from kvshare.testing import make_peft_adapter
+
+pytestmark = [pytest.mark.integration, pytest.mark.peers]
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = Path(__file__).with_name("peers") / "vllm_plugin_probe.py"
+INVOCATION = "<|im_start|>assistant\n"
+BLOCK, NEW_TOKENS = 32, 12
+
+
+@pytest.fixture(scope="module")
+def venv() -> Path:
+    venv = os.environ.get("KVSHARE_VLLM_VENV")
+    if not venv:
+        pytest.skip("KVSHARE_VLLM_VENV names no vLLM peer venv (docs/guides/vllm.md)")
+    return Path(venv)
+
+
+def kvshare_site(tmp: Path) -> Path:
+    """This checkout as a built, unpacked wheel: what ``pip install kvshare`` puts beside vLLM,
+    entry point included."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+                    "-w", str(tmp / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    with zipfile.ZipFile(next((tmp / "dist").glob("kvshare-*.whl"))) as archive:
+        archive.extractall(tmp / "site")
+    return tmp / "site"
+
+
+def gentle(ckpt: Path) -> Path:
+    path = ckpt / "adapter_model.safetensors"
+    save_file({k: v * 0.25 if ".lora_B." in k else v for k, v in load_file(path).items()}, path)
+    return ckpt
+
+
+def chat(tokenizer, question: str) -> list[int]:
+    """A chat prompt of more than three blocks whose invocation (its last tokens) starts in
+    a block that the prompt fills: that block is the adapter's, the ones before are the base's."""
+    system = "You are a careful assistant. Answer in one short sentence, and say when you are unsure."
+    while True:
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                            tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        if len(ids) > 3 * BLOCK and len(ids) % BLOCK in (1, 2):  # a fully cached prompt would show
+            return ids
+        question += " Please."
+
+
+@pytest.fixture(scope="module")
+def run(venv, smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {
+        "judge": export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "alora-ckpt", target_modules=targets,
+                                                         rank=8, seed=4, invocation_tokens=invocation)),
+                                kind="alora", base=smollm2_dir, out=root / "judge", invocation=INVOCATION),
+        "math": export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=targets,
+                                                        rank=8, seed=3)), kind="lora", base=smollm2_dir,
+                               out=root / "math"),
+    }
+    prompts = [chat(tokenizer, question) for question in ("Name three uses of a paperclip.", "Why is the sky blue?")]
+    first, second = prompts
+    scenarios = {
+        "base_then_alora_then_lora": [[{"prompt": first, "adapter": None}], [{"prompt": first, "adapter": "judge"}],
+                                      [{"prompt": first, "adapter": "math"}]],
+        "alora_then_base": [[{"prompt": first, "adapter": "judge"}], [{"prompt": first, "adapter": None}]],
+        "mixed_batch": [[{"prompt": second, "adapter": None}, {"prompt": second, "adapter": "math"},
+                         {"prompt": second, "adapter": "judge"}]],
+    }
+    (root / "scenarios.json").write_text(json.dumps(scenarios))
+    env = dict(os.environ, PYTHONPATH=str(kvshare_site(root)), OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    command = [str(venv / "bin" / "python"), str(PROBE), "--model", str(smollm2_dir), "--scenarios",
+               str(root / "scenarios.json"), "--new-tokens", str(NEW_TOKENS), "--out", str(root / "out.json"),
+               *[f"--adapter={name}={path}" for name, path in adapters.items()]]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=1500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    engine = LLM(smollm2_dir, list(adapters.values()), kv_cache_tokens=2048, block_size=16)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = {(i, name): engine.generate([prompt], params, adapter=name)[0].token_ids
+            for i, prompt in enumerate(prompts) for name in (None, "judge", "math")}
+    start = len(first) - len(invocation)
+    assert first[start:] == invocation
+    return {**json.loads((root / "out.json").read_text()), "prompt": first}, want, start
+
+
+def test_the_plugin_loads_through_vllms_entry_point(run):
+    results, _, start = run
+    print(f"invocation at {start}; vLLM's results: {json.dumps(results)}")
+    assert results["plugin_registered"] is True
+
+
+def test_alora_reuses_the_bases_blocks_before_its_invocation_and_no_further(run):
+    results, want, start = run
+    base, alora, lora = (step[0] for step in results["base_then_alora_then_lora"])
+    shared = start // BLOCK * BLOCK
+    assert shared >= 2 * BLOCK and shared + BLOCK <= len(results["prompt"])  # the invocation's block is full
+    assert base["cached"] == 0 and alora["cached"] == shared and lora["cached"] == 0
+    assert base["tokens"] == want[0, None] and alora["tokens"] == want[0, "judge"] and lora["tokens"] == want[0, "math"]
+    assert alora["tokens"] != base["tokens"]  # the adapter ran from its invocation on
+    first_alora, then_base = (step[0] for step in results["alora_then_base"])
+    assert first_alora["cached"] == 0 and then_base["cached"] == shared  # the base reads aLoRA's base blocks only
+    assert first_alora["tokens"] == want[0, "judge"] and then_base["tokens"] == want[0, None]
+
+
+def test_base_lora_and_alora_in_one_batch_give_kvshares_tokens(run):
+    results, want, _ = run
+    base, lora, alora = results["mixed_batch"][0]
+    assert [base["tokens"], lora["tokens"], alora["tokens"]] == [want[1, None], want[1, "math"], want[1, "judge"]]
