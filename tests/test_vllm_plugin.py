@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from kvshare.export import export_adapter
 from kvshare.serve import LLM, SamplingParams
-from kvshare.testing import make_peft_adapter
+from kvshare.testing import ICARUS_TARGETS, make_peft_adapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.peers]
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,10 @@ def run(venv, smollm2_dir, tmp_path_factory):
         "math": export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=targets,
                                                         rank=8, seed=3)), kind="lora", base=smollm2_dir,
                                out=root / "math"),
+        **{name: export_adapter(gentle(make_peft_adapter(smollm2_dir, root / f"{name}-ckpt", rank=8, seed=seed,
+                                                         target_modules=ICARUS_TARGETS)),
+                                kind="icarus", base=smollm2_dir, out=root / name)
+           for name, seed in (("planner", 5), ("critic", 6))},
     }
     prompts = [chat(tokenizer, question) for question in ("Name three uses of a paperclip.", "Why is the sky blue?")]
     first, second = prompts
@@ -92,8 +96,12 @@ def run(venv, smollm2_dir, tmp_path_factory):
         "base_then_alora_then_lora": [[{"prompt": first, "adapter": None}], [{"prompt": first, "adapter": "judge"}],
                                       [{"prompt": first, "adapter": "math"}]],
         "alora_then_base": [[{"prompt": first, "adapter": "judge"}], [{"prompt": first, "adapter": None}]],
+        "base_then_icarus_agents": [[{"prompt": first, "adapter": None}], [{"prompt": first, "adapter": "planner"}],
+                                    [{"prompt": first, "adapter": "critic"}]],
+        "icarus_then_base": [[{"prompt": first, "adapter": "planner"}], [{"prompt": first, "adapter": None}]],
         "mixed_batch": [[{"prompt": second, "adapter": None}, {"prompt": second, "adapter": "math"},
-                         {"prompt": second, "adapter": "judge"}]],
+                         {"prompt": second, "adapter": "judge"}, {"prompt": second, "adapter": "planner"},
+                         {"prompt": second, "adapter": "critic"}]],
     }
     (root / "scenarios.json").write_text(json.dumps(scenarios))
     env = dict(os.environ, PYTHONPATH=str(kvshare_site(root)), OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
@@ -106,7 +114,7 @@ def run(venv, smollm2_dir, tmp_path_factory):
     engine = LLM(smollm2_dir, list(adapters.values()), kv_cache_tokens=2048, block_size=16)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     want = {(i, name): engine.generate([prompt], params, adapter=name)[0].token_ids
-            for i, prompt in enumerate(prompts) for name in (None, "judge", "math")}
+            for i, prompt in enumerate(prompts) for name in (None, "judge", "math", "planner", "critic")}
     start = len(first) - len(invocation)
     assert first[start:] == invocation
     return {**json.loads((root / "out.json").read_text()), "prompt": first}, want, start
@@ -131,7 +139,20 @@ def test_alora_reuses_the_bases_blocks_before_its_invocation_and_no_further(run)
     assert first_alora["tokens"] == want[0, "judge"] and then_base["tokens"] == want[0, None]
 
 
-def test_base_lora_and_alora_in_one_batch_give_kvshares_tokens(run):
+def test_icarus_agents_share_every_block_with_the_base_and_each_other(run):
     results, want, _ = run
-    base, lora, alora = results["mixed_batch"][0]
-    assert [base["tokens"], lora["tokens"], alora["tokens"]] == [want[1, None], want[1, "math"], want[1, "judge"]]
+    whole = len(results["prompt"]) // BLOCK * BLOCK  # every full block of the prompt
+    base, planner, critic = (step[0] for step in results["base_then_icarus_agents"])
+    assert base["cached"] == 0 and planner["cached"] == whole and critic["cached"] == whole
+    assert base["tokens"] == want[0, None]
+    assert planner["tokens"] == want[0, "planner"] and critic["tokens"] == want[0, "critic"]
+    assert len({tuple(base["tokens"]), tuple(planner["tokens"]), tuple(critic["tokens"])}) == 3
+    first_planner, then_base = (step[0] for step in results["icarus_then_base"])
+    assert first_planner["cached"] == 0 and then_base["cached"] == whole  # the agent wrote the base's K/V
+    assert first_planner["tokens"] == want[0, "planner"] and then_base["tokens"] == want[0, None]
+
+
+def test_every_kind_in_one_batch_gives_kvshares_tokens(run):
+    results, want, _ = run
+    names = [None, "math", "judge", "planner", "critic"]
+    assert [r["tokens"] for r in results["mixed_batch"][0]] == [want[1, name] for name in names]

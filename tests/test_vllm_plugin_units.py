@@ -7,9 +7,11 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
-from kvshare.serve.vllm_plugin import alora, block_hashes, cpu_lora, kinds
+from kvshare.serve.vllm_plugin import block_hashes, cpu_lora, icarus, kinds
+from kvshare.serve.vllm_plugin import token_map as worker_map
 
 INVOCATION = [7, 8, 9]
 
@@ -28,6 +30,10 @@ def test_activation_start_is_peft_rule_read_from_the_folder(tmp_path):
     assert kinds.activation_start([1, 2, 3], judge) == kinds.NEVER  # absent: the adapter adapts nothing
     assert kinds.activation_start([1, 7, 8, 9], plain) is None
     assert kinds.activation_start([1, 7, 8, 9], "/not/a/real/path") is None  # vLLM's warm-up adapters
+    planner = tmp_path / "planner"
+    planner.mkdir()
+    (planner / "kvshare.json").write_text(json.dumps({"kind": "icarus"}))
+    assert kinds.activation_start([1, 7, 8, 9], str(planner)) == kinds.NEVER  # ICaRus: K/V always the base's
 
 
 def test_alora_tokens_before_the_invocation_get_no_adapter(tmp_path):
@@ -39,12 +45,12 @@ def test_alora_tokens_before_the_invocation_get_no_adapter(tmp_path):
         "b": SimpleNamespace(prompt_token_ids=prompt, lora_request=None)})
     batch = SimpleNamespace(req_ids=["a", "l", "b"], num_computed_tokens_cpu=np.array([2, 0, 0]))
     scheduled, sampled = np.array([4, 2, 1]), np.array([1, 1, 1])
-    prompt_map, token_map = alora.mask_before_activation(runner, batch, scheduled, sampled, (1, 2, 0),
+    prompt_map, token_map = worker_map.mask_before_activation(runner, batch, scheduled, sampled, (1, 2, 0),
                                                          (1, 1, 1, 1, 2, 2, 0))
     assert token_map == (0, 0, 0, 1, 2, 2, 0)  # aLoRA positions 2, 3, 4 run on the base; 5 on the adapter
     assert prompt_map == (1, 2, 0)
     batch.num_computed_tokens_cpu = np.array([0, 0, 0])
-    prompt_map, token_map = alora.mask_before_activation(runner, batch, np.array([3, 2, 1]), sampled, (1, 2, 0),
+    prompt_map, token_map = worker_map.mask_before_activation(runner, batch, np.array([3, 2, 1]), sampled, (1, 2, 0),
                                                          (1, 1, 1, 2, 2, 0))
     assert token_map == (0, 0, 0, 2, 2, 0) and prompt_map == (0, 2, 0)  # a chunk wholly before it
 
@@ -81,3 +87,34 @@ def test_tokens_without_an_adapter_get_no_delta_from_the_last_slot():
     fixed = torch.zeros(3, 4)
     cpu_lora._zero_unadapted(vllms_shrink)(inputs, lora_a, fixed, indices)
     assert torch.equal(fixed[1], torch.zeros(4)) and torch.equal(fixed[[0, 2]], output[[0, 2]])
+
+
+def test_icarus_rows_name_each_tokens_slot_and_the_delta_is_lora_on_those_rows_only():
+    rows = icarus.IcarusRows()
+    rows.set([0, 3, 3, 5, 0], [None, 5, 3])
+    assert rows.slots.tolist() == [-1, 2, 2, 1, -1]
+    rows.set([0, 0], [None, 5])
+    assert rows.slots is None  # no ICaRus token: vLLM's own forward
+    torch.manual_seed(0)
+    a = (torch.randn(3, 1, 2, 6), torch.randn(3, 1, 2, 6))
+    b = (torch.randn(3, 1, 4, 2), torch.randn(3, 1, 3, 2))
+    layer = SimpleNamespace(lora_a_stacked=a, lora_b_stacked=b, output_slices=(4, 3))
+    x, slots = torch.randn(4, 6), torch.tensor([2, -1, 1, 2])
+    got = icarus.delta(layer, x, slots)
+    for row, slot in enumerate(slots.tolist()):
+        want = torch.zeros(7) if slot < 0 else torch.cat([b[s][slot, 0] @ (a[s][slot, 0] @ x[row]) for s in (0, 1)])
+        assert torch.allclose(got[row], want, atol=1e-5)
+
+
+def test_an_icarus_adapter_is_refused_by_a_model_without_the_second_stream(tmp_path):
+    planner = tmp_path / "planner"
+    planner.mkdir()
+    (planner / "kvshare.json").write_text(json.dumps({"kind": "icarus"}))
+    loaded = []
+    load = icarus._refuse_icarus_without_streams(lambda self, request: loaded.append(request))
+    request = SimpleNamespace(lora_path=str(planner))
+    plain_model = SimpleNamespace(_adapter_manager=SimpleNamespace(model=SimpleNamespace()))
+    with pytest.raises(ValueError, match="ICaRus adapter"):
+        load(plain_model, request)
+    load(SimpleNamespace(_adapter_manager=SimpleNamespace(model=SimpleNamespace(kvshare_icarus=True))), request)
+    assert loaded == [request]

@@ -1,19 +1,21 @@
-"""kvshare's vLLM plugin: aLoRA adapters in vLLM, their pre-invocation KV shared with the base.
+"""kvshare's vLLM plugin: ICaRus and aLoRA adapters in vLLM, sharing the base's KV blocks.
 
 vLLM loads it through the ``vllm.general_plugins`` entry point in each of its processes (the
-API server, the engine core, every worker) when kvshare is installed beside it. It changes
-nothing for requests without an aLoRA adapter, and three things for those with one:
+API server, the engine core, every worker) when kvshare is installed beside it. Requests
+without an ICaRus or aLoRA adapter run as vLLM runs them; for the others:
 
-- the worker accepts a PEFT folder with ``alora_invocation_tokens`` (vLLM refuses it);
-- each token before the invocation's start (PEFT's rule: the last occurrence in the prompt)
-  runs on base weights, the rest on the adapter's (:mod:`.alora`);
-- in the engine core, prefix-cache blocks wholly before the invocation are hashed as the base
-  hashes them, so an aLoRA request reuses the base's blocks and the base reuses its; blocks
-  that reach the invocation keep vLLM's per-adapter key (:mod:`.block_hashes`).
+- the worker accepts a PEFT folder with ``alora_invocation_tokens`` (vLLM refuses it), and
+  each token whose K/V the base computes (aLoRA: before the invocation's start, PEFT's rule;
+  ICaRus: every token) gets no adapter in vLLM's per-token map (:mod:`.token_map`);
+- ICaRus tokens run a second stream that reads the cache and writes nothing, and give their
+  logits from it (:mod:`.icarus`: the model class that replaces vLLM's ``LlamaForCausalLM``);
+- in the engine core, prefix-cache blocks of base K/V are hashed as the base hashes them, so
+  they are shared across the base and these adapters; the rest keep vLLM's per-adapter key
+  (:mod:`.block_hashes`).
 
 It also fixes vLLM's CPU LoRA kernels, which give a token with no adapter (slot -1) the
 adapter in the last slot (:mod:`.cpu_lora`): without that, a base token beside a LoRA request
-in one batch is computed wrongly, and so is every pre-invocation aLoRA token.
+in one batch is computed wrongly, and so is every base-K/V token of the kinds above.
 
 Written for vLLM 0.32 (``SUPPORTED``); on another version it logs a warning and stays off,
 since it patches vLLM's internals.
@@ -39,9 +41,10 @@ def register() -> None:
         logger.warning("kvshare's vLLM plugin supports vLLM %s, not %s: it stays off (aLoRA adapters are "
                        "refused by vLLM as usual)", "/".join(v + "x" for v in SUPPORTED), vllm.__version__)
         return
-    from . import alora, block_hashes, cpu_lora
+    from . import block_hashes, cpu_lora, icarus, token_map
 
     cpu_lora.install()
-    alora.install()
+    token_map.install()
     block_hashes.install()
+    icarus.install()
     _registered = True

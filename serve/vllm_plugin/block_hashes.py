@@ -1,9 +1,10 @@
-"""aLoRA in vLLM's engine core: pre-invocation blocks hashed as the base hashes them.
+"""vLLM's engine core: blocks of base K/V hashed as the base hashes them.
 
 vLLM adds ``("lora", name, path)`` to the hash of every block of a LoRA request
 (``generate_block_hash_extra_keys``), so no block is ever shared across adapters. For an
-aLoRA request, the key is dropped from blocks that end at or before the activation start:
-their K/V were computed on base weights (:mod:`.alora`), so they are the base's blocks.
+aLoRA or ICaRus request, the key is dropped from blocks that end at or before the activation
+start (aLoRA: its invocation; ICaRus: never reached): their K/V were computed on base weights
+(:mod:`.token_map`), so they are the base's blocks.
 """
 
 from __future__ import annotations

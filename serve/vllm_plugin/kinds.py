@@ -16,6 +16,18 @@ from ...kinds import find_invocation_start
 
 
 @lru_cache(maxsize=1024)
+def is_icarus(lora_path: str | None) -> bool:
+    """Whether the folder is a kvshare ICaRus adapter (its ``kvshare.json`` says so)."""
+    if not lora_path:
+        return False
+    try:
+        manifest = json.loads((Path(lora_path) / "kvshare.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("kind") == "icarus"
+
+
+@lru_cache(maxsize=1024)
 def invocation_tokens(lora_path: str | None) -> tuple[int, ...] | None:
     """The aLoRA invocation tokens of the adapter at ``lora_path``; None for any other adapter."""
     if not lora_path:
@@ -32,8 +44,11 @@ NEVER = sys.maxsize  # an aLoRA whose prompt lacks the invocation adapts nothing
 
 
 def activation_start(prompt: list[int] | None, lora_path: str | None) -> int | None:
-    """The first position an aLoRA request's adapter computes: where the invocation last
-    starts in the prompt, :data:`NEVER` when the prompt lacks it; None for other adapters."""
+    """The first position whose K/V an adapter computes, for the kinds that share the base's
+    K/V: aLoRA, where the invocation last starts in the prompt (:data:`NEVER` when the prompt
+    lacks it); ICaRus, :data:`NEVER` (its K/V are always the base's). None for other adapters."""
+    if is_icarus(lora_path):
+        return NEVER
     invocation = invocation_tokens(lora_path)
     if invocation is None:
         return None

@@ -1,16 +1,19 @@
-"""aLoRA in vLLM's worker: accept the adapter, run its pre-invocation tokens on base weights.
+"""The worker's per-token adapter map for the kinds that share the base's K/V.
 
 vLLM builds each step's per-token adapter map by repeating a request's adapter over its
 scheduled tokens (``InputBatch.make_lora_inputs``). The runner's ``set_active_loras`` is
-wrapped: for an aLoRA request, the scheduled tokens at positions before the activation start
-(:func:`.kinds.activation_start`) get no adapter, so their K/V equal the base's.
+wrapped: a token before its request's activation start (:func:`.kinds.activation_start`:
+aLoRA's invocation; never, for ICaRus) gets no adapter, so the model's main stream computes
+the base's K/V for it. An ICaRus request's tokens also go to :data:`.icarus.ROWS` with their
+adapter's slot: the model's second stream applies the adapter to them and reads those K/V.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .kinds import activation_start
+from . import icarus
+from .kinds import activation_start, is_icarus
 
 _UNSET = object()
 
@@ -48,13 +51,28 @@ def mask_before_activation(runner, input_batch, num_scheduled: np.ndarray, num_s
     return tuple(prompts), tuple(tokens)
 
 
+def icarus_ids(runner, input_batch, num_scheduled: np.ndarray, token_map: tuple[int, ...]) -> list[int]:
+    """Per scheduled token, the adapter id of an ICaRus request's token (0 elsewhere)."""
+    ids = [0] * len(token_map)
+    at = 0
+    for i, req_id in enumerate(input_batch.req_ids[: len(num_scheduled)]):
+        lora = runner.requests[req_id].lora_request
+        if lora is not None and is_icarus(lora.lora_path):
+            ids[at:at + int(num_scheduled[i])] = [lora.lora_int_id] * int(num_scheduled[i])
+        at += int(num_scheduled[i])
+    return ids
+
+
 def _set_active_loras(self, input_batch, num_scheduled_tokens, num_sampled_tokens=None, *args, **kwargs):
     if num_sampled_tokens is None:
         num_sampled_tokens = np.ones_like(num_scheduled_tokens, dtype=np.int32)
     prompt_map, token_map, requests = input_batch.make_lora_inputs(num_scheduled_tokens, num_sampled_tokens)
+    ids = icarus_ids(self, input_batch, num_scheduled_tokens, token_map)
     prompt_map, token_map = mask_before_activation(self, input_batch, num_scheduled_tokens, num_sampled_tokens,
                                                    prompt_map, token_map)
-    return self._set_active_loras(prompt_map, token_map, requests, *args, **kwargs)
+    result = self._set_active_loras(prompt_map, token_map, requests, *args, **kwargs)
+    icarus.ROWS.set(ids, self.lora_manager._adapter_manager.lora_index_to_id)
+    return result
 
 
 def _without_alora_refusal(validate):
