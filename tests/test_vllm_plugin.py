@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -25,7 +26,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from kvshare.eval.perf.peers import VLLMServer, vllm_serve_command
 from kvshare.export import export_adapter
+from kvshare.loopback import free_port
 from kvshare.serve import LLM, SamplingParams
 from kvshare.testing import ICARUS_TARGETS, make_peft_adapter
 
@@ -73,7 +76,9 @@ def chat(tokenizer, question: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def run(venv, smollm2_dir, tmp_path_factory):
+def material(venv, smollm2_dir, tmp_path_factory) -> dict:
+    """The adapters (exported by kvshare), the prompts, kvshare's greedy tokens for each, and
+    this checkout as a site folder for vLLM's venv."""
     root = tmp_path_factory.mktemp("vllm")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)
@@ -91,7 +96,19 @@ def run(venv, smollm2_dir, tmp_path_factory):
            for name, seed in (("planner", 5), ("critic", 6))},
     }
     prompts = [chat(tokenizer, question) for question in ("Name three uses of a paperclip.", "Why is the sky blue?")]
-    first, second = prompts
+    engine = LLM(smollm2_dir, list(adapters.values()), kv_cache_tokens=2048, block_size=16)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    want = {(i, name): engine.generate([prompt], params, adapter=name)[0].token_ids
+            for i, prompt in enumerate(prompts) for name in (None, "judge", "math", "planner", "critic")}
+    start = len(prompts[0]) - len(invocation)
+    assert prompts[0][start:] == invocation
+    return {"root": root, "adapters": adapters, "prompts": prompts, "want": want, "start": start,
+            "site": kvshare_site(root)}
+
+
+@pytest.fixture(scope="module")
+def run(venv, smollm2_dir, material):
+    root, (first, second) = material["root"], material["prompts"]
     scenarios = {
         "base_then_alora_then_lora": [[{"prompt": first, "adapter": None}], [{"prompt": first, "adapter": "judge"}],
                                       [{"prompt": first, "adapter": "math"}]],
@@ -104,20 +121,14 @@ def run(venv, smollm2_dir, tmp_path_factory):
                          {"prompt": second, "adapter": "critic"}]],
     }
     (root / "scenarios.json").write_text(json.dumps(scenarios))
-    env = dict(os.environ, PYTHONPATH=str(kvshare_site(root)), OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
+    env = dict(os.environ, PYTHONPATH=str(material["site"]), OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     command = [str(venv / "bin" / "python"), str(PROBE), "--model", str(smollm2_dir), "--scenarios",
                str(root / "scenarios.json"), "--new-tokens", str(NEW_TOKENS), "--out", str(root / "out.json"),
-               *[f"--adapter={name}={path}" for name, path in adapters.items()]]
+               *[f"--adapter={name}={path}" for name, path in material["adapters"].items()]]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root, timeout=1500)
     assert result.returncode == 0, result.stderr[-4000:]
-    engine = LLM(smollm2_dir, list(adapters.values()), kv_cache_tokens=2048, block_size=16)
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    want = {(i, name): engine.generate([prompt], params, adapter=name)[0].token_ids
-            for i, prompt in enumerate(prompts) for name in (None, "judge", "math", "planner", "critic")}
-    start = len(first) - len(invocation)
-    assert first[start:] == invocation
-    return {**json.loads((root / "out.json").read_text()), "prompt": first}, want, start
+    return {**json.loads((root / "out.json").read_text()), "prompt": first}, material["want"], material["start"]
 
 
 def test_the_plugin_loads_through_vllms_entry_point(run):
@@ -156,3 +167,30 @@ def test_every_kind_in_one_batch_gives_kvshares_tokens(run):
     results, want, _ = run
     names = [None, "math", "judge", "planner", "critic"]
     assert [r["tokens"] for r in results["mixed_batch"][0]] == [want[1, name] for name in names]
+
+
+def test_vllm_serve_serves_each_adapter_by_name_and_counts_the_shared_blocks(venv, smollm2_dir, material):
+    """``vllm serve --lora-modules``, requests naming the adapter as ``model``: kvshare's tokens,
+    and vLLM's own counters (per request and on /metrics) show the blocks shared."""
+    port, first, want = free_port(), material["prompts"][0], material["want"]
+    command = vllm_serve_command(venv, smollm2_dir, material["adapters"], port, "float32", 512, max_lora_rank=8)
+    command += ["--block-size", str(BLOCK), "--enforce-eager", "--enable-prompt-tokens-details"]
+    server = VLLMServer(command, port, threads=2, kv_cache_gib=1, log=material["root"] / "serve.log")
+    server.env["PYTHONPATH"] = str(material["site"])
+    order = [("base", None, 0), ("planner", "planner", "whole"), ("critic", "critic", "whole"),
+             ("judge", "judge", "shared"), ("math", "math", 0)]
+    whole, shared = len(first) // BLOCK * BLOCK, material["start"] // BLOCK * BLOCK
+    with server:
+        cached = []
+        for model, name, expected in order:
+            body = json.dumps({"model": model, "prompt": first, "max_tokens": NEW_TOKENS, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            request = urllib.request.Request(f"{server.base_url}/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as reply:
+                answer = json.loads(reply.read())
+            assert answer["choices"][0]["token_ids"] == want[0, name], model
+            cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        _, hits = server.prefix_cache_counts()
+    assert cached == [0, whole, whole, shared, 0]
+    assert hits == sum(cached)
