@@ -470,7 +470,8 @@ def register(sub) -> None:
     p.add_argument("--agents", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--qps", type=float, nargs="+", default=[0.25, 0.5, 1.0], help="workflow arrivals per second")
     p.add_argument("--modes", nargs="+",
-                   choices=["icarus", "alora", "lora", "forkkv", "base", "hf", "vllm-lora", "vllm-base"],
+                   choices=["icarus", "alora", "lora", "forkkv", "base", "hf", "vllm-lora", "vllm-base", "vllm-icarus",
+                            "vllm-alora"],
                    help="default: icarus alora lora hf (with --ray: icarus); base: every agent on the base "
                    "model, the ideal sharing bound")
     p.add_argument("--kernels", default="auto",
@@ -481,7 +482,8 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="the kvshare engines' rows per step: a prompt chunk takes what decoding rows leave "
                    "(default 1024)")
-    _peer_arguments(p, "modes vllm-lora and vllm-base, through the same client")
+    _peer_arguments(p, "modes vllm-lora and vllm-base, and vllm-icarus and vllm-alora (vLLM with kvshare's "
+                    "plugin), through the same client")
     p.add_argument("--ray", type=int, metavar="N", help="serve through N kvshare replicas on a local Ray Serve "
                    "(--threads each; needs kvshare[ray]); writes ray_workflow_bench.{json,md}")
     p.add_argument("--affinity", nargs="+", choices=["on", "off"],

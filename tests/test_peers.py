@@ -22,6 +22,7 @@ import torch
 from kvshare.errors import KvshareError
 from kvshare.loopback import free_port
 from kvshare.eval.perf import peers
+from kvshare.eval.perf.plugin_site import plugin_site
 from kvshare.eval.perf.peers import (LLAMACPP_PROBE, PROBE, VLLMServer, ensure_llamacpp_venv, ensure_vllm_venv,
                                     llamacpp_engine_probe_command, llamacpp_gguf,
                                     run_llamacpp_engine_probe, run_vllm_engine_probe, vllm_engine_probe_command,
@@ -495,3 +496,16 @@ def test_every_backend_is_timed_beside_transformers(tmp_path, tiny_models, monke
     table = engine.markdown(results)
     r = results["decode_b1"]
     assert f"{r['kvshare[int8]'] / r['hf[int8]']:.2f}x" in table.splitlines()[2]
+
+
+def test_plugin_site_puts_the_vllm_plugin_and_its_entry_point_on_a_path(tmp_path):
+    """The folder the vllm-icarus / vllm-alora modes put on vLLM's PYTHONPATH: with no
+    site-packages at all (-S), Python finds the entry point and imports the plugin's rules."""
+    site = plugin_site(tmp_path / "site")
+    code = ("from importlib.metadata import entry_points; "
+            "(ep,) = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'kvshare']; "
+            "print(ep.value); import kvshare.serve.vllm_plugin.kinds as k; print(k.NEVER > 10**9)")
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["kvshare.serve.vllm_plugin:register", "True"]

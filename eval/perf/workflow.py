@@ -19,7 +19,9 @@ token, tokens and cache hits are recorded. Modes:
 - ``vllm-lora`` / ``vllm-base`` (``--peer vllm``): vLLM's CPU build serving the same LoRA
   adapters with prefix caching (the paper's baseline), and the base alone for every agent
   (the ideal sharing bound), through the same OpenAI client as a kvshare server
-  (:mod:`.peers`).
+  (:mod:`.peers`);
+- ``vllm-icarus`` / ``vllm-alora`` (``--peer vllm``): the same vLLM with kvshare's plugin,
+  serving the ICaRus and aLoRA agents of the ``icarus`` and ``alora`` modes (:mod:`.plugin_site`).
 The KV pool is sized (``--kv-cache-tokens``, default 8 contexts) so conventional LoRA must
 evict at the higher loads. Adapters are random: speed does not depend on their values.
 """
@@ -50,8 +52,10 @@ from ...serve.workflow.runtime import (Agent, Completion, EngineBackend, RoundRo
 from .common import percentile, same_memory_settings, setup, write_report as _write
 from ...loopback import free_port
 from .peers import VLLM_VERSION, VLLMServer, ensure_vllm_venv, kv_space_gib, vllm_serve_command
+from .plugin_site import plugin_site
 
-PEER_MODES = ("vllm-lora", "vllm-base")
+PEER_MODES = ("vllm-lora", "vllm-base", "vllm-icarus", "vllm-alora")
+PLUGIN_MODES = ("vllm-icarus", "vllm-alora")  # vLLM with kvshare's plugin (:mod:`kvshare.serve.vllm_plugin`)
 PATTERNS = ("react", "skewed", "reflexion", "mapreduce")
 RANDOM_RANK = 8  # of the random adapters (ForkKV's residual width)
 
@@ -81,8 +85,9 @@ def make_agents(kind: str, n: int, model_dir: Path, tokenizer, folder: Path,
             agents.append(Agent(f"agent{i}", None, f"You are agent {i}."))
             continue
         text = f"<|im_start|>agent{i}<|im_end|>"
-        invocation = tokenizer.encode(text, add_special_tokens=False) if kind == "alora" else None
-        adapter_kind = "lora" if kind in ("hf", "vllm-lora", "forkkv") else kind
+        invocation = tokenizer.encode(text, add_special_tokens=False) if kind in ("alora", "vllm-alora") else None
+        adapter_kind = {"hf": "lora", "vllm-lora": "lora", "forkkv": "lora", "vllm-icarus": "icarus",
+                        "vllm-alora": "alora"}.get(kind, kind)
         path = random_adapter(adapter_kind, model_dir, folder, f"{kind}-{i}", seed=i, rank=rank, invocation=text,
                               tokenizer=tokenizer)
         agents.append(Agent(f"agent{i}", f"{kind}-{i}", f"You are agent {i}.", tuple(invocation or ())))
@@ -310,7 +315,10 @@ def _peer_points(mode: str, venv: Path, model_dir: Path, team: list[Agent], path
     port = free_port()
     command = vllm_serve_command(venv, model_dir, adapters, port, dtype, engine.max_model_len)
     points = []
-    with VLLMServer(command, port, threads, kv_gib, tmp / f"{mode}-{len(team)}.log") as server:
+    server = VLLMServer(command, port, threads, kv_gib, tmp / f"{mode}-{len(team)}.log")
+    if mode in PLUGIN_MODES:
+        server.env["PYTHONPATH"] = str(plugin_site(tmp / "kvshare-plugin-site"))
+    with server:
         for rate in qps:
             server.reset_prefix_cache()
             before = server.prefix_cache_counts()
