@@ -9,24 +9,14 @@ start (aLoRA: its invocation; ICaRus: never reached): their K/V were computed on
 
 from __future__ import annotations
 
-from .kinds import activation_start
+from .kinds import request_activation_start
 
-_UNSET = object()
-
-
-def _start(request) -> int | None:
-    start = getattr(request, "_kvshare_alora_start", _UNSET)
-    if start is _UNSET:
-        lora = request.lora_request
-        start = activation_start(request.prompt_token_ids, lora.lora_path) if lora is not None else None
-        request._kvshare_alora_start = start
-    return start
 
 
 def _sharing_extra_keys(original):
     def generate_block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int, start_mm_idx: int):
         keys, next_mm = original(request, start_token_idx, end_token_idx, start_mm_idx)
-        start = _start(request)
+        start = request_activation_start(request)
         if keys is None or start is None or end_token_idx > start:
             return keys, next_mm
         kept = tuple(key for key in keys if not (isinstance(key, tuple) and key and key[0] == "lora"))

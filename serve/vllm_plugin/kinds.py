@@ -54,3 +54,18 @@ def activation_start(prompt: list[int] | None, lora_path: str | None) -> int | N
         return None
     start = find_invocation_start(list(prompt or []), list(invocation))
     return NEVER if start is None else start
+
+
+_UNSET = object()
+
+
+def request_activation_start(request) -> int | None:
+    """:func:`activation_start` of a vLLM request (the engine core's ``Request`` or the worker's
+    ``CachedRequestState``: both carry ``prompt_token_ids`` and ``lora_request``), computed once
+    and kept on it."""
+    start = getattr(request, "_kvshare_activation_start", _UNSET)
+    if start is _UNSET:
+        lora = request.lora_request
+        start = activation_start(request.prompt_token_ids, lora.lora_path) if lora is not None else None
+        request._kvshare_activation_start = start
+    return start

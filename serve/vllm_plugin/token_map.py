@@ -13,19 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import icarus
-from .kinds import activation_start, is_icarus
+from .kinds import is_icarus, request_activation_start
 
-_UNSET = object()
-
-
-def _start(state) -> int | None:
-    """A request's activation start, computed once from its prompt and kept on its state."""
-    start = getattr(state, "_kvshare_alora_start", _UNSET)
-    if start is _UNSET:
-        lora = state.lora_request
-        start = activation_start(state.prompt_token_ids, lora.lora_path) if lora is not None else None
-        state._kvshare_alora_start = start
-    return start
 
 
 def mask_before_activation(runner, input_batch, num_scheduled: np.ndarray, num_sampled: np.ndarray,
@@ -36,7 +25,7 @@ def mask_before_activation(runner, input_batch, num_scheduled: np.ndarray, num_s
     token_at = sampled_at = 0
     for i, req_id in enumerate(input_batch.req_ids[: len(num_scheduled)]):
         scheduled, sampled = int(num_scheduled[i]), int(num_sampled[i])
-        start = _start(runner.requests[req_id])
+        start = request_activation_start(runner.requests[req_id])
         if start is not None:
             first = int(input_batch.num_computed_tokens_cpu[i])
             for j in range(scheduled):
