@@ -1,15 +1,19 @@
-"""kvshare's vLLM plugin inside vLLM's CPU build: aLoRA served, its pre-invocation blocks shared.
+"""kvshare's vLLM plugin inside vLLM's CPU build: ICaRus and aLoRA served, the base's blocks shared.
 
 Runs vLLM 0.32 in its peer venv (``KVSHARE_VLLM_VENV``; markers ``integration`` and
 ``peers``, skipped without it) on SmolLM2-135M-Instruct in float32, with kvshare installed
 there as an unpacked wheel, so vLLM loads the plugin through its entry point. Against
-kvshare's engine (itself exact against PEFT) and vLLM's own per-request cached-token counts:
+kvshare's engine, whose tokens the test first checks against PEFT and the ICaRus reference, and
+vLLM's own per-request cached-token counts:
 
-- aLoRA's greedy tokens equal kvshare's, alone and in one batch beside the base and a LoRA;
+- two ICaRus agents' and an aLoRA's greedy tokens equal kvshare's, alone and in one batch
+  beside the base and a LoRA;
+- ICaRus agents and the base read every block the others wrote;
 - the base's blocks before the invocation serve the aLoRA request, and its blocks serve the
   base, no further (the blocks that reach the invocation are the adapter's own);
 - a plain LoRA shares nothing, and its tokens are still kvshare's (vLLM's CPU LoRA kernels
-  gave base tokens beside a LoRA the adapter's delta; the plugin fixes that too).
+  gave base tokens beside a LoRA the adapter's delta; the plugin fixes that too);
+- the same through ``vllm serve``, adapters by name, hits on ``/metrics``.
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvshare.eval.perf.peers import VLLMServer, vllm_serve_command
 from kvshare.export import export_adapter
 from kvshare.loopback import free_port
 from kvshare.serve import LLM, SamplingParams
 from kvshare.testing import ICARUS_TARGETS, make_peft_adapter
+
+from test_engine import hf_greedy, icarus_greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.peers]
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +109,10 @@ def material(venv, smollm2_dir, tmp_path_factory) -> dict:
             for i, prompt in enumerate(prompts) for name in (None, "judge", "math", "planner", "critic")}
     start = len(prompts[0]) - len(invocation)
     assert prompts[0][start:] == invocation
+    for name, folder in adapters.items():  # kvshare's tokens are the references' (PEFT; the ICaRus reference)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_dir), folder).eval()
+        greedy = icarus_greedy if name in ("planner", "critic") else hf_greedy
+        assert greedy(model, prompts[0], NEW_TOKENS) == want[0, name], name
     return {"root": root, "adapters": adapters, "prompts": prompts, "want": want, "start": start,
             "site": kvshare_site(root)}
 
