@@ -115,7 +115,9 @@ def test_gguf_refusals_are_one_line_and_leave_nothing(cli, base, checkpoints, tm
     assert_one_line_error(cli("export", folder, "--base", base, "--out", out, "--format", "gguf"), "ICaRus")
     assert_one_line_error(cli("export", checkpoints["lora"], "--base", base, "--out", out, "--format", "gguf"),
                           "--kind")
-    assert not out.exists()
+    assert_one_line_error(cli("export", checkpoints["lora"], "--base", base, "--out", tmp_path / "f"),
+                          "--kind is required")  # the folder format still needs it
+    assert not out.exists() and not (tmp_path / "f").exists()
     notes = tmp_path / "notes.gguf"
     notes.write_text("mine")
     args = ["export", checkpoints["lora"], "--kind", "lora", "--base", base, "--format", "gguf", "--out"]

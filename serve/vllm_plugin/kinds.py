@@ -1,8 +1,9 @@
 """Which kvshare kind a vLLM LoRA request's folder holds, read once per folder.
 
-vLLM's ``LoRARequest`` carries only a name, an id and a path, so the kind and the invocation
-tokens come from the folder: PEFT's ``adapter_config.json`` (``alora_invocation_tokens``).
-A path that is not a readable folder (vLLM's warm-up uses made-up ones) is a plain LoRA.
+vLLM's ``LoRARequest`` carries only a name, an id and a path, so the kind comes from the
+folder: kvshare's ``kvshare.json`` says ICaRus, PEFT's ``adapter_config.json`` holds aLoRA's
+``alora_invocation_tokens``. A path that is not a readable folder (vLLM's warm-up uses made-up
+ones) is a plain LoRA. Read once per path, as vLLM loads an adapter once per path.
 """
 
 from __future__ import annotations

@@ -16,11 +16,10 @@ from . import icarus
 from .kinds import is_icarus, request_activation_start
 
 
-
 def mask_before_activation(runner, input_batch, num_scheduled: np.ndarray, num_sampled: np.ndarray,
                            prompt_map: tuple[int, ...], token_map: tuple[int, ...]) -> tuple[tuple, tuple]:
-    """``prompt_map``/``token_map`` with no adapter wherever an aLoRA request's token (or its
-    sampled position) lies before the request's activation start."""
+    """``prompt_map``/``token_map`` with no adapter wherever a request's token (or its sampled
+    position) lies before the request's activation start: the tokens whose K/V are the base's."""
     tokens, prompts = list(token_map), list(prompt_map)
     token_at = sampled_at = 0
     for i, req_id in enumerate(input_batch.req_ids[: len(num_scheduled)]):
