@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .adapters import ADAPTER_WEIGHTS, read_peft_checkpoint
+from .adapters import _LORA_KEY, ADAPTER_WEIGHTS, lora_alpha, lora_rank, read_peft_checkpoint
 from .errors import KvshareError
 from .kinds import AdapterKind, parse_kind
 from .safetensors_io import load_tensors, read_json
@@ -40,11 +40,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen2": ("QWEN2", False),
     "qwen3": ("QWEN3", False),
 }
-_LORA_PREFIX = "base_model.model."
 
 
-def gguf_architecture(base_config: dict) -> tuple[str, bool]:
-    """(llama.cpp architecture name, permute q/k) for a base's ``config.json``."""
+def gguf_architecture(base_config: dict):
+    """(llama.cpp's ``gguf.MODEL_ARCH``, permute q/k) for a base's ``config.json``."""
     model_type = base_config.get("model_type")
     if model_type not in GGUF_ARCHITECTURES:
         raise KvshareError(f"no llama.cpp adapter export for model_type {model_type!r} "
@@ -52,7 +51,7 @@ def gguf_architecture(base_config: dict) -> tuple[str, bool]:
     arch, permute = GGUF_ARCHITECTURES[model_type]
     import gguf
 
-    return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)], permute
+    return getattr(gguf.MODEL_ARCH, arch), permute
 
 
 def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -61,25 +60,26 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_tensors(adapter_dir: Path, base_config: dict, permute: bool, arch: str) -> dict[str, np.ndarray]:
+def gguf_tensors(adapter_dir: Path, base_config: dict, permute: bool, arch) -> dict[str, np.ndarray]:
     """The adapter's A/B pairs under llama.cpp's names, float32, q/k ``B`` rows permuted."""
     import gguf
 
     layers = int(base_config["num_hidden_layers"])
     heads = int(base_config["num_attention_heads"])
     kv_heads = int(base_config.get("num_key_value_heads") or heads)
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    names = gguf.get_tensor_name_map(arch, layers)
     out: dict[str, np.ndarray] = {}
     for key, tensor in sorted(load_tensors(adapter_dir / ADAPTER_WEIGHTS).items()):
-        module, part = key[len(_LORA_PREFIX):].rsplit(".lora_", 1)  # read_peft_checkpoint checked the form
+        match = _LORA_KEY.match(key)  # read_peft_checkpoint checked every key's form
+        module, part = match["module"], match["part"]
         target = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
         if target is None:
             raise KvshareError(f"{adapter_dir}: llama.cpp has no tensor for module {module!r}")
         array = tensor.float().numpy()
         leaf = module.rsplit(".", 1)[-1]
-        if permute and part == "B.weight" and leaf in ("q_proj", "k_proj"):
+        if permute and part == "B" and leaf in ("q_proj", "k_proj"):
             array = permute_rows(array, heads if leaf == "q_proj" else kv_heads)
-        out[f"{target}.lora_{part[0].lower()}"] = np.ascontiguousarray(array)
+        out[f"{target}.lora_{part.lower()}"] = np.ascontiguousarray(array)
     return out
 
 
@@ -95,7 +95,7 @@ def write_gguf_adapter(adapter_dir: str | Path, base_dir: str | Path, out: str |
     ckpt = read_peft_checkpoint(adapter_dir)
     base_config = read_json(Path(base_dir) / "config.json")
     arch, permute = gguf_architecture(base_config)
-    rank, alpha = int(ckpt.config.get("r") or 8), float(ckpt.config.get("lora_alpha") or 8)
+    rank, alpha = lora_rank(ckpt.config), lora_alpha(ckpt.config)  # PEFT's defaults where unset
     if ckpt.config.get("use_rslora"):
         alpha *= math.sqrt(rank)  # llama.cpp scales by alpha / rank; rsLoRA by alpha / sqrt(rank)
     tensors = gguf_tensors(adapter_dir, base_config, permute, arch)
@@ -104,7 +104,7 @@ def write_gguf_adapter(adapter_dir: str | Path, base_dir: str | Path, out: str |
     handle, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(handle)
     try:
-        writer = gguf.GGUFWriter(tmp, arch)
+        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_name(name)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")

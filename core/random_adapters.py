@@ -26,8 +26,10 @@ def make_peft_adapter(
     invocation_tokens: list[int] | None = None,
     task_type: str | None = "CAUSAL_LM",
     seed: int = 0,
+    b_std: float = 0.2,
 ) -> Path:
-    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B."""
+    """Save a PEFT LoRA checkpoint for ``base_dir`` with random, non-zero A and B (B's spread
+    ``b_std``: a smaller one changes a real model without drowning it)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +47,7 @@ def make_peft_adapter(
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_A" in name or "lora_B" in name:
-                    param.normal_(0.0, 0.2)
+                    param.normal_(0.0, b_std if "lora_B" in name else 0.2)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
 

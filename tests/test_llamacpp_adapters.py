@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -26,7 +25,6 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvshare.eval.perf.peers import ensure_llamacpp_venv, llamacpp_gguf
@@ -69,23 +67,16 @@ def float32_copy(source: Path, out: Path) -> Path:
     return out
 
 
-def gentle(ckpt: Path, factor: float) -> Path:
-    """Scale lora_B so the random adapter changes the model without drowning it."""
-    path = ckpt / "adapter_model.safetensors"
-    tensors = load_file(path)
-    save_file({k: v * factor if ".lora_B." in k else v for k, v in tensors.items()}, path)
-    return ckpt
-
 
 @pytest.fixture(scope="module")
 def setup(venv, smollm2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("llamacpp")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)
-    lora = export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=ALL, rank=8,
-                                                   seed=3), 0.25), kind="lora", base=smollm2_dir, out=root / "lora")
-    alora = export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "alora-ckpt", target_modules=ALL, rank=8,
-                                                    seed=4, invocation_tokens=invocation), 0.25),
+    lora = export_adapter(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=ALL, rank=8, seed=3,
+                                            b_std=0.05), kind="lora", base=smollm2_dir, out=root / "lora")
+    alora = export_adapter(make_peft_adapter(smollm2_dir, root / "alora-ckpt", target_modules=ALL, rank=8, seed=4,
+                                             invocation_tokens=invocation, b_std=0.05),
                            kind="alora", base=smollm2_dir, out=root / "alora", invocation=INVOCATION)
     files = {name: write_gguf_adapter(folder, smollm2_dir, root / f"{name}.gguf", kind=name, name=name)
              for name, folder in (("lora", lora), ("alora", alora))}

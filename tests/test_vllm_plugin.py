@@ -27,7 +27,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,11 +63,6 @@ def kvshare_site(tmp: Path) -> Path:
     return tmp / "site"
 
 
-def gentle(ckpt: Path) -> Path:
-    path = ckpt / "adapter_model.safetensors"
-    save_file({k: v * 0.25 if ".lora_B." in k else v for k, v in load_file(path).items()}, path)
-    return ckpt
-
 
 def chat(tokenizer, question: str) -> list[int]:
     """A chat prompt of more than three blocks whose invocation (its last tokens) starts in
@@ -91,14 +85,13 @@ def material(venv, smollm2_dir, tmp_path_factory) -> dict:
     invocation = tokenizer.encode(INVOCATION, add_special_tokens=False)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapters = {
-        "judge": export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "alora-ckpt", target_modules=targets,
-                                                         rank=8, seed=4, invocation_tokens=invocation)),
+        "judge": export_adapter(make_peft_adapter(smollm2_dir, root / "alora-ckpt", target_modules=targets, rank=8,
+                                                  seed=4, invocation_tokens=invocation, b_std=0.05),
                                 kind="alora", base=smollm2_dir, out=root / "judge", invocation=INVOCATION),
-        "math": export_adapter(gentle(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=targets,
-                                                        rank=8, seed=3)), kind="lora", base=smollm2_dir,
-                               out=root / "math"),
-        **{name: export_adapter(gentle(make_peft_adapter(smollm2_dir, root / f"{name}-ckpt", rank=8, seed=seed,
-                                                         target_modules=ICARUS_TARGETS)),
+        "math": export_adapter(make_peft_adapter(smollm2_dir, root / "lora-ckpt", target_modules=targets, rank=8,
+                                                 seed=3, b_std=0.05), kind="lora", base=smollm2_dir, out=root / "math"),
+        **{name: export_adapter(make_peft_adapter(smollm2_dir, root / f"{name}-ckpt", rank=8, seed=seed,
+                                                  target_modules=ICARUS_TARGETS, b_std=0.05),
                                 kind="icarus", base=smollm2_dir, out=root / name)
            for name, seed in (("planner", 5), ("critic", 6))},
     }

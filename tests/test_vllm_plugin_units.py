@@ -100,7 +100,7 @@ def test_icarus_rows_name_each_tokens_slot_and_the_delta_is_lora_on_those_rows_o
     b = (torch.randn(3, 1, 4, 2), torch.randn(3, 1, 3, 2))
     layer = SimpleNamespace(lora_a_stacked=a, lora_b_stacked=b, output_slices=(4, 3))
     x, slots = torch.randn(4, 6), torch.tensor([2, -1, 1, 2])
-    got = icarus.delta(layer, x, slots)
+    got = icarus.delta(layer, x, icarus.slot_groups(slots))
     for row, slot in enumerate(slots.tolist()):
         want = torch.zeros(7) if slot < 0 else torch.cat([b[s][slot, 0] @ (a[s][slot, 0] @ x[row]) for s in (0, 1)])
         assert torch.allclose(got[row], want, atol=1e-5)

@@ -39,25 +39,30 @@ class IcarusRows:
 ROWS = IcarusRows()
 
 
-def delta(layer, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The LoRA delta of ``layer`` (a vLLM LoRA-wrapped linear) for each row of ``x`` with the
-    adapter in that row's slot (none for -1), from vLLM's stacked weights (scale folded into B)."""
+def slot_groups(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """Each ICaRus slot of the step with a mask of its rows: found once per step, used by every
+    adapted projection of every layer."""
+    return [(slot, slots == slot) for slot in torch.unique(slots[slots >= 0]).tolist()]
+
+
+def delta(layer, x: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The LoRA delta of ``layer`` (a vLLM LoRA-wrapped linear) for the rows of each slot's group
+    with that slot's adapter (no delta elsewhere), from vLLM's stacked weights (scale folded into B)."""
     out = x.new_zeros(x.shape[0], sum(layer.output_slices))
     offset = 0
     for a, b, width in zip(layer.lora_a_stacked, layer.lora_b_stacked, layer.output_slices):
-        for slot in torch.unique(slots[slots >= 0]).tolist():
-            rows = slots == slot
+        for slot, rows in groups:
             out[rows, offset:offset + width] = (x[rows] @ a[slot, 0].T.to(x.dtype)) @ b[slot, 0].T.to(x.dtype)
         offset += width
     return out
 
 
-def adapted(layer, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def adapted(layer, x: torch.Tensor, groups) -> torch.Tensor:
     """``layer`` on base weights plus the ICaRus rows' deltas."""
-    return layer.base_layer(x)[0] + delta(layer, x, slots)
+    return layer.base_layer(x)[0] + delta(layer, x, groups)
 
 
-def second_stream_layer(layer, positions, hidden, residual, slots):
+def second_stream_layer(layer, positions, hidden, residual, groups):
     """One decoder layer of the second stream (vLLM's ``LlamaDecoderLayer.forward``, with the
     adapter deltas and an attention call that reads the cache only)."""
     if residual is None:
@@ -65,24 +70,25 @@ def second_stream_layer(layer, positions, hidden, residual, slots):
     else:
         hidden, residual = layer.input_layernorm(hidden, residual)
     attention = layer.self_attn
-    query = adapted(attention.qkv_proj, hidden, slots)[:, :attention.q_size].contiguous()
+    query = adapted(attention.qkv_proj, hidden, groups)[:, :attention.q_size].contiguous()
     query, _ = attention.rotary_emb(positions, query, None)
-    hidden = adapted(attention.o_proj, attention.attn(query, None, None), slots)
+    hidden = adapted(attention.o_proj, attention.attn(query, None, None), groups)
     hidden, residual = layer.post_attention_layernorm(hidden, residual)
     mlp = layer.mlp
-    hidden = adapted(mlp.down_proj, mlp.act_fn(adapted(mlp.gate_up_proj, hidden, slots)), slots)
+    hidden = adapted(mlp.down_proj, mlp.act_fn(adapted(mlp.gate_up_proj, hidden, groups)), groups)
     return hidden, residual
 
 
 def dual_stream_forward(model, input_ids, positions, slots) -> torch.Tensor:
     """``LlamaModel.forward`` for a step with ICaRus tokens: per layer, the main stream (which
     writes the base's K/V), then the second; each token's final hidden state from its stream."""
+    groups = slot_groups(slots)
     hidden = model.embed_input_ids(input_ids)
     residual = None
     second, second_residual = hidden, None
     for layer in model.layers[model.start_layer:model.end_layer]:
         hidden, residual = layer(positions, hidden, residual)
-        second, second_residual = second_stream_layer(layer, positions, second, second_residual, slots)
+        second, second_residual = second_stream_layer(layer, positions, second, second_residual, groups)
     icarus_rows = (slots >= 0).unsqueeze(-1)
     hidden, residual = torch.where(icarus_rows, second, hidden), torch.where(icarus_rows, second_residual, residual)
     hidden, _ = model.norm(hidden, residual)

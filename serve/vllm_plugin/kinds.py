@@ -16,28 +16,25 @@ from pathlib import Path
 from ...kinds import find_invocation_start
 
 
+def _folder_json(lora_path: str | None, name: str) -> dict:
+    """``name`` in the adapter folder, or {} where there is none to read."""
+    try:
+        data = json.loads((Path(lora_path) / name).read_text()) if lora_path else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 @lru_cache(maxsize=1024)
 def is_icarus(lora_path: str | None) -> bool:
     """Whether the folder is a kvshare ICaRus adapter (its ``kvshare.json`` says so)."""
-    if not lora_path:
-        return False
-    try:
-        manifest = json.loads((Path(lora_path) / "kvshare.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("kind") == "icarus"
+    return _folder_json(lora_path, "kvshare.json").get("kind") == "icarus"
 
 
 @lru_cache(maxsize=1024)
 def invocation_tokens(lora_path: str | None) -> tuple[int, ...] | None:
     """The aLoRA invocation tokens of the adapter at ``lora_path``; None for any other adapter."""
-    if not lora_path:
-        return None
-    try:
-        config = json.loads((Path(lora_path) / "adapter_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    tokens = config.get("alora_invocation_tokens") if isinstance(config, dict) else None
+    tokens = _folder_json(lora_path, "adapter_config.json").get("alora_invocation_tokens")
     return tuple(int(t) for t in tokens) if tokens else None
 
 
