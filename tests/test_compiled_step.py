@@ -168,7 +168,7 @@ def test_decode_buckets_attend_in_the_cpp_op(engines, tokenizer, monkeypatch):
     from types import SimpleNamespace
 
     compiled, eager = engines
-    assert compiled.engine.runner.compiled._native == cpu.FEW_ROWS
+    assert compiled.engine.runner.compiled._prepare()[0] == cpu.FEW_ROWS
     plans, begin = [], cpu.StepPlan.begin
     monkeypatch.setattr(cpu.StepPlan, "begin", lambda plan, kv, scale: (plans.append(plan.rows), begin(plan, kv, scale)))
     prompts = prompts_for(tokenizer, 2)
@@ -439,8 +439,9 @@ def test_bfloat16_projections_in_dot_products_score_as_the_eager_step(base, adap
     monkeypatch.setenv("KVSHARE_CPU_GEMM", "vnni")
     llm = LLM(base, [adapters["lora-a"], adapters["icarus-a"]], compile="on", dtype="bfloat16", **SETTINGS)
     step = llm.engine.runner.compiled
-    decoders = [graph._orig_mod for graph in step._graphs.values()]
-    assert all(d.vnni and hasattr(d, "l0_qkv_vnni") for d in decoders) and step._head_packed is not None
+    _, graphs, head_packed = step._prepare()
+    decoders = [graph._orig_mod for graph in graphs.values()]
+    assert all(d.vnni and hasattr(d, "l0_qkv_vnni") for d in decoders) and head_packed is not None
     assert decoders[0].l0_qkv_vnni.data_ptr() == decoders[1].l0_qkv_vnni.data_ptr()  # packed once for both graphs
     _assert_steps_score_as_eager(llm, tokenizer, monkeypatch)
 

@@ -7,9 +7,14 @@ asked for are written."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -36,6 +41,62 @@ def test_a_build_killed_half_way_does_not_stall_the_next():
     worker.join(timeout=120)
     assert loaded and loaded[0] is not None
     assert not (folder / "lock").exists()
+
+
+def test_a_first_start_attends_on_the_reference_while_the_kernels_build(tmp_path, monkeypatch):
+    """A home with no build yet (a first start on a machine): an eager step's attention starts
+    the build in a background process and answers at once, on the torch reference, bit for bit;
+    once the build is in, the kernel serves. The stand-in build waits for a file the test writes,
+    so the step cannot have waited for it."""
+    built = cpu.extension()
+    release = tmp_path / "release"
+    monkeypatch.setattr(cpu, "_build_command", lambda: [sys.executable, "-c", _WAIT_FOR.format(path=str(release))])
+    monkeypatch.setattr(cpu, "_build", lambda: built)  # what loading the finished build gives
+    monkeypatch.setattr(cpu, "_built", [])
+    monkeypatch.setattr(cpu, "_background", [])
+    monkeypatch.setenv("KVSHARE_HOME", str(tmp_path / "home"))
+    q, k, v, meta = _case(torch.Generator().manual_seed(3), [[37], [2], [16]], 4, 2, 32, 16, torch.float32)
+    for _ in range(2):  # the second step too: one build, no wait
+        out = cpu.paged_attention_cpu(q, k, v, meta, 0.125)
+        assert torch.equal(out, paged_attention_ref(q, k, v, meta, 0.125))
+        assert cpu.building() and cpu._built == [] and len(cpu._background) == 1
+    release.write_text("")
+    cpu._background[0].join(timeout=60)
+    assert cpu._built == [built] and not cpu.building()
+    torch.testing.assert_close(cpu.paged_attention_cpu(q, k, v, meta, 0.125), paged_attention_ref(q, k, v, meta, 0.125))
+
+
+_WAIT_FOR = "import os, time\nwhile not os.path.exists({path!r}): time.sleep(0.05)"
+_EXIT_WHILE_BUILDING = """
+import os, sys, time
+import kvshare.kernels.cpu as cpu
+cpu._build_command = lambda: [sys.executable, "-c", "import os, time; open({pid!r}, 'w').write(str(os.getpid())); time.sleep(600)"]
+assert cpu.extension(wait=False) is None
+while not os.path.exists({pid!r}): time.sleep(0.05)
+"""
+
+
+def test_a_short_job_leaves_no_build_running_behind_it(tmp_path):
+    """A process that exits while its kernels build in the background ends the build with it."""
+    pid_file = tmp_path / "build.pid"
+    env = dict(os.environ, KVSHARE_HOME=str(tmp_path / "home"))
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUILDING.format(pid=str(pid_file))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "building kvshare's C++ CPU kernels in the background" in done.stderr
+    build = int(pid_file.read_text())
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(build) and psutil.Process(build).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the build outlived the process that started it"
+        time.sleep(0.1)
+
+
+def test_a_build_on_disk_loads_at_once():
+    """Where the extension is built already, a step waits the second it takes to load it rather
+    than run the reference."""
+    cpu.extension()
+    cpu._built.clear()
+    assert cpu.extension(wait=False) is not None and not cpu.building()
 
 
 def _case(gen: torch.Generator, rows_per_seq: list[list[int]], n_q: int, n_kv: int, d: int, block: int,

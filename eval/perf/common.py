@@ -72,6 +72,11 @@ def engine_decode_rate(llm, prompts: list[list[int]], new: int, adapter: str | N
     return produced / (time.perf_counter() - start)
 
 
+def folder_mb(folder: Path) -> float:
+    """Megabytes of the files under ``folder`` (0 where it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20 if folder.exists() else 0.0
+
+
 def write_report(results: dict, out_dir: str | Path, stem: str, markdown: Callable[[dict], str]) -> None:
     """``out_dir/stem.json`` (the figures, with their provenance) and ``out_dir/stem.md`` (the
     table people read)."""

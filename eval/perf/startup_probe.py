@@ -20,11 +20,13 @@ def main(spec_path: str) -> None:
     t0 = spec["t0"]
     import torch
 
+    from kvshare.kernels import cpu
     from kvshare.serve import LLMEngine
     from kvshare.serve.exec.background_compile import compile_worker
 
     torch.set_num_threads(spec["threads"])
     imported = time.time() - t0
+    kernels_on_disk = cpu.built_on_disk()  # else built during this start, in the background
     engine = LLMEngine(spec["model"], spec["adapters"], dtype=spec["dtype"], kv_cache_tokens=spec["kv_cache_tokens"])
     loaded = time.time() - t0
     names = [None, *(a.name for a in engine.adapters())]
@@ -38,7 +40,7 @@ def main(spec_path: str) -> None:
     steady_rate = _rate(engine, prompt, names, spec["decode_tokens"])
     print(json.dumps({
         "imported_s": imported, "loaded_s": loaded, "first_token_s": first_token, "compiled_s": compiled,
-        "first_rate_tok_s": cold_rate, "steady_rate_tok_s": steady_rate, "first_tokens": first,
+        "kernels_on_disk_at_start": kernels_on_disk, "first_rate_tok_s": cold_rate, "steady_rate_tok_s": steady_rate, "first_tokens": first,
         "graphs": sorted(map(list, step.traced)) if step is not None else [],
         "graph_seconds": [seconds for _, seconds in compile_worker().done],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -29,12 +29,17 @@ the slot stacks in the same pass; :mod:`.linear`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import functools
 import hashlib
 import logging
+import os
 import shlex
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -48,8 +53,11 @@ log = logging.getLogger(__name__)
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "step_attention.cpp", "int4_dequant.cpp",
                                                    "linear_vnni.cpp", "bindings.cpp")]
-_lock = threading.Lock()
+_lock = threading.Lock()  # held by the one build or load
 _built: list = []  # [module or None] once tried
+_start_lock = threading.Lock()
+_background: list[threading.Thread] = []  # the background build's thread, once started
+_children: list[subprocess.Popen] = []  # its build process
 
 
 def _cpu_digest() -> str:
@@ -62,32 +70,101 @@ def _cpu_digest() -> str:
     return "\n".join(lines)
 
 
-def extension():
-    """The built extension module, or None where it cannot be built (warned once)."""
+def extension(wait: bool = True):
+    """The built extension module, or None where it cannot be built (warned once).
+
+    ``wait=False`` (an eager step's attention): where the extension is not built on this machine
+    yet, start building it on a background thread and return None now, so that a first request
+    runs on the torch reference instead of waiting about a minute for the compiler; a build
+    already on disk is loaded at once."""
     if _built:
         return _built[0]
+    if not wait and (_background or not built_on_disk()):
+        _build_in_background()  # (once)
+        return None
     with _lock:
         if not _built:
             _built.append(_build())
     return _built[0]
 
 
+def built_on_disk() -> bool:
+    """Whether this machine's build of the extension is in kvshare's home (loads in a second)."""
+    return _target(_home())[2].exists()
+
+
+def building() -> bool:
+    """Whether the extension is being built on the background thread right now."""
+    thread = _background[0] if _background else None
+    return thread is not None and thread.is_alive()
+
+
+def _build_in_background() -> None:
+    with _start_lock:
+        if _background:
+            return
+        log.warning("kvshare: building kvshare's C++ CPU kernels in the background (about a minute, once "
+                    "per machine); steps use the torch reference until they are built")
+        thread = threading.Thread(target=_build_apart, name="kvshare-cpu-kernels", daemon=True)
+        _background.append(thread)
+        thread.start()
+
+
+def _build_command() -> list[str]:
+    return [sys.executable, "-c", "import kvshare.kernels.cpu as cpu; raise SystemExit(cpu.extension() is None)"]
+
+
+def _build_apart() -> None:
+    """The background build, in a child process of its own session, which :func:`_stop_builds`
+    ends with this process: a short job leaves no compiler running behind it (ninja removes what
+    it leaves half-made, and the next start builds again). A thread could not be stopped."""
+    child = subprocess.Popen(_build_command(), start_new_session=True, stdin=subprocess.DEVNULL)
+    _children.append(child)
+    if child.wait() == 0:
+        extension()  # on disk now: loads at once
+        return
+    with _lock:  # it said why on stderr
+        if not _built:
+            _built.append(None)
+
+
+@atexit.register
+def _stop_builds() -> None:
+    for child in _children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=10)
+
+
+def _home() -> Path:
+    from ...paths import kvshare_home
+
+    return kvshare_home()
+
+
+@functools.cache
+def _target(home: Path) -> tuple[str, Path, Path]:
+    """The extension's module name, build folder and built file: one per source, torch and CPU."""
+    sources = [path.read_text() for path in _SOURCES]
+    # and where the sources and torch lie: two checkouts sharing a home wrote one build folder's
+    # ninja file with their own source paths in turn, and each rebuilt the extension (75 s)
+    where = (*map(str, _SOURCES), torch.__file__)
+    digest = hashlib.sha256("\0".join((*sources, *where, torch.__version__, _cpu_digest())).encode()).hexdigest()[:16]
+    name = f"kvshare_cpu_{digest}"
+    folder = home / "ext" / f"cpu-{digest}"
+    return name, folder, folder / f"{name}.so"
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
-    from ...paths import kvshare_home
-
     try:  # everything, the build folder included (a read-only home): the reference serves instead
-        sources = [path.read_text() for path in _SOURCES]
-        # and where the sources and torch lie: two checkouts sharing a home wrote one build folder's
-        # ninja file with their own source paths in turn, and each rebuilt the extension (75 s)
-        where = (*map(str, _SOURCES), torch.__file__)
-        digest = hashlib.sha256("\0".join((*sources, *where, torch.__version__, _cpu_digest())).encode()
-                                ).hexdigest()[:16]
-        folder = kvshare_home() / "ext" / f"cpu-{digest}"
+        name, folder, _ = _target(_home())
         folder.mkdir(parents=True, exist_ok=True)
         with _build_guard(folder), _quoted_torch_lib_path():
-            return load(name=f"kvshare_cpu_{digest}", sources=[str(path) for path in _SOURCES], build_directory=str(folder),
+            return load(name=name, sources=[str(path) for path in _SOURCES], build_directory=str(folder),
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"],
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja: the reference serves, slower
@@ -197,7 +274,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     global _last
     from ..attention import paged_attention_ref
 
-    if q.device.type != "cpu" or k_cache.dtype != q.dtype or extension() is None:
+    if q.device.type != "cpu" or k_cache.dtype != q.dtype or extension(wait=False) is None:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     last = _last  # read once: engines stepped from two threads each replace it
     layout = last[1] if last[0] is meta else Layout(meta)

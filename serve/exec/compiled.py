@@ -364,13 +364,8 @@ class CompiledStep(BucketedStep):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
         super().__init__(model, max_rows, max_loras, max_lora_rank)
-        packed: dict[str, torch.Tensor] = {}
-        self._native = native_rows(model)
-        self._graphs: dict[bool, Callable] = {
-            adapted: torch.compile(_Decoder(model, adapted, packed, self._native).eval(), fullgraph=True, dynamic=False,
-                                   options=GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
-        head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
-        self._head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
+        self._parts: tuple | None = None  # (native rows, graphs, packed head): :meth:`_prepare`
+        self._parts_lock = threading.Lock()
         self._head_rows = cpu_linear.head_rows()
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
@@ -380,6 +375,22 @@ class CompiledStep(BucketedStep):
         # process's compile worker (:mod:`.background_compile`); else the step compiles it first
         self.background = background
         self._generation = 0  # bumped when the stacks are reallocated: a graph lowered for the old ones is dropped
+
+    def _prepare(self) -> tuple[int, dict[bool, Callable], torch.Tensor | None]:
+        """The graphs (not compiled yet) and the packed head, made at the first compile rather
+        than with the engine: they need the C++ CPU kernels, which a first start on a machine
+        builds in the background (:func:`kvshare.kernels.cpu.extension`) while steps run eager."""
+        with self._parts_lock:
+            if self._parts is None:
+                model, packed = self.model, {}
+                native = native_rows(model)
+                graphs = {adapted: torch.compile(_Decoder(model, adapted, packed, native).eval(), fullgraph=True,
+                                                 dynamic=False, options=GRAPH_OPTIONS[adapted])
+                          for adapted in (False, True)}
+                head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
+                head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
+                self._parts = (native, graphs, head_packed)
+            return self._parts
 
     def forget_adapted(self) -> None:
         self._generation += 1
@@ -444,8 +455,9 @@ class CompiledStep(BucketedStep):
         """Float32 logits of the logit rows' final hidden states. Outside the graph, so that only
         the rows sampled from are scored: a bucket's pad rows, prompt-chunk rows and ICaRus base
         rows would otherwise each multiply by the head, the largest weight of a small model."""
-        if self._head_packed is not None and len(hidden) <= self._head_rows:
-            return torch.ops.kvshare.linear_vnni(hidden, self._head_packed, None).float()
+        head_packed = self._prepare()[2]
+        if head_packed is not None and len(hidden) <= self._head_rows:
+            return torch.ops.kvshare.linear_vnni(hidden, head_packed, None).float()
         return self.model.head(hidden)
 
     @torch.no_grad()  # graphs are frozen for inference; a graph traced with grad on would not be
@@ -475,7 +487,7 @@ class CompiledStep(BucketedStep):
                     settings.enter_context(torch._inductor.config.patch(freezing=True,
                                                                         post_grad_custom_post_pass=self._key()))
                     settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
-                return call_in_fresh_chunk(self._graphs[adapted], tokens, positions, *lora)
+                return call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
         except Exception as err:
             if not first:
                 raise
@@ -494,7 +506,7 @@ class CompiledStep(BucketedStep):
 
     def _key(self) -> WeightsKey | None:
         if self._weights_key is None and cache_frozen_graphs():
-            self._weights_key = WeightsKey(weights_digest(list(self._graphs[False].named_parameters())))
+            self._weights_key = WeightsKey(weights_digest(list(self._prepare()[1][False].named_parameters())))
         return self._weights_key
 
     def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False,
@@ -533,7 +545,7 @@ class CompiledStep(BucketedStep):
         return tokens, positions, batch, lora
 
     def _context(self, kv_cache: torch.Tensor, batch: Batch, rows: int, size: int) -> _StepContext:
-        if size <= self._native:
+        if size <= self._prepare()[0]:
             return _StepContext(self.model, kv_cache, batch, rows, [], 0, native=True)
         if self._layer_rows[0] is not kv_cache:  # the views are the same every step: made once per KV memory
             self._layer_rows = (kv_cache, *layer_rows(kv_cache))
