@@ -21,7 +21,7 @@ import torch
 from ...errors import KvshareError
 from . import extension
 
-CHOICES = ("auto", "vnni", "inductor")
+CHOICES = ("auto", "vnni", "inductor", "onednn")  # onednn: float32, :func:`kvshare.serve.exec.compiled.packs_float32`
 MAX_ROWS = 16  # decode buckets; a larger bucket (a prompt chunk beside decode rows) keeps the GEMM template
 AMX_HEAD_ROWS = 6  # where oneDNN multiplies on AMX tiles, the head's rows the kernel still beats it at
 
@@ -59,17 +59,23 @@ def head_rows() -> int:
 
 def _choice() -> str | None:
     """``KVSHARE_CPU_GEMM`` checked against this machine; None where the kernel does not run here
-    (or ``inductor`` declines it)."""
-    choice = os.environ.get("KVSHARE_CPU_GEMM", "auto")
-    if choice not in CHOICES:
-        raise KvshareError(f"KVSHARE_CPU_GEMM must be one of {', '.join(CHOICES)}, not {choice!r}")
-    if choice == "inductor":
+    (or ``inductor`` or ``onednn`` declines it)."""
+    choice = gemm_choice()
+    if choice in ("inductor", "onednn"):
         return None
     ext = extension()
     able = ext is not None and ext.linear_vnni_available()
     if choice == "vnni" and not able:
         raise KvshareError("KVSHARE_CPU_GEMM=vnni needs a CPU with AVX512-BF16 and the C++ kernels built")
     return choice if able else None
+
+
+def gemm_choice() -> str:
+    """``KVSHARE_CPU_GEMM`` (default ``auto``), checked against :data:`CHOICES`."""
+    choice = os.environ.get("KVSHARE_CPU_GEMM", "auto")
+    if choice not in CHOICES:
+        raise KvshareError(f"KVSHARE_CPU_GEMM must be one of {', '.join(CHOICES)}, not {choice!r}")
+    return choice
 
 
 def packable(weight) -> bool:

@@ -150,6 +150,24 @@ class VnniWeight(NamedTuple):
     packed: torch.Tensor
 
 
+class OneDnnWeight(NamedTuple):
+    """A float32 weight and its one copy in oneDNN's blocked order (:func:`packs_float32`)."""
+    plain: torch.Tensor
+    packed: torch.Tensor
+
+
+def packs_float32(model: Model) -> bool:
+    """Whether the graphs multiply float32 projections by one oneDNN-packed copy of each weight,
+    made once per engine and shared by every bucket and both graphs: ``KVSHARE_CPU_GEMM=onednn``,
+    the memory-lean choice. By default Inductor's GEMM template packs every graph (bucket) a
+    copy of its own, which its decode speed needs. Measured on 2 AMD EPYC cores (AVX512-BF16),
+    SmolLM2-135M in float32, buckets of 1, 2, 4, 8 and 16 rows: peak RSS 6.5 GB with the template
+    and 2.1 GB with one oneDNN copy; decode 28-131 tok/s against 34-157, slowest at 4 rows
+    (63 against 98; results/compiled-memory/)."""
+    return (model.dtype == torch.float32 and cpu_linear.gemm_choice() == "onednn"
+            and torch.backends.mkldnn.is_available())
+
+
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for a :class:`VnniWeight`, up to ``cpu_linear.MAX_ROWS`` rows (a decode
     bucket; the shapes are static) in AVX512-BF16 dot products; for an int8 weight (a (q, scale)
@@ -158,6 +176,8 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
     group) its int4 product, which Inductor lowers to its WOQ int4 GEMM template."""
     if not isinstance(weight, tuple):
         return F.linear(x, weight, bias)
+    if isinstance(weight, OneDnnWeight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     if isinstance(weight, VnniWeight):
         if x.numel() // x.shape[-1] <= cpu_linear.MAX_ROWS:
             return torch.ops.kvshare.linear_vnni(x, weight.packed, bias)
@@ -191,6 +211,7 @@ class _Decoder(torch.nn.Module):
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
+        self.onednn = packs_float32(model)  # float32 projections by one packed copy of each weight
         for name in ("embed", "final_norm"):  # the head runs after the graph, on the logit rows only
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -219,6 +240,10 @@ class _Decoder(torch.nn.Module):
                 if name not in self.packed:
                     self.packed[name] = cpu_linear.pack(value)
                 setattr(self, f"{name}_vnni", param(self.packed[name]))
+            elif self.onednn and name.endswith(_PROJECTIONS) and value.dtype == torch.float32 and value.dim() == 2:
+                if name not in self.packed:  # packed for one row: the layout every row count runs fastest on
+                    self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(value, 1)
+                setattr(self, f"{name}_onednn", param(self.packed[name]))
 
     def _param(self, name: str):
         """What ``_linear`` takes for weight ``name``: the parameter, a :class:`VnniWeight`, an
@@ -229,6 +254,8 @@ class _Decoder(torch.nn.Module):
             return getattr(self, f"{name}_q4"), getattr(self, f"{name}_sz"), self.int4_groups[name]
         if hasattr(self, f"{name}_vnni"):
             return VnniWeight(getattr(self, name), getattr(self, f"{name}_vnni"))
+        if hasattr(self, f"{name}_onednn"):
+            return OneDnnWeight(getattr(self, name), getattr(self, f"{name}_onednn"))
         return getattr(self, name)
 
     def _layers(self) -> list[dict]:
@@ -384,8 +411,10 @@ class CompiledStep(BucketedStep):
             if self._parts is None:
                 model, packed = self.model, {}
                 native = native_rows(model)
+                # (with its GEMM template in the running, Inductor would pack each graph a copy of its own)
+                lone = {"max_autotune": False} if packs_float32(model) else {}
                 graphs = {adapted: torch.compile(_Decoder(model, adapted, packed, native).eval(), fullgraph=True,
-                                                 dynamic=False, options=GRAPH_OPTIONS[adapted])
+                                                 dynamic=False, options={**GRAPH_OPTIONS[adapted], **lone})
                           for adapted in (False, True)}
                 head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
                 head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
@@ -506,7 +535,8 @@ class CompiledStep(BucketedStep):
 
     def _key(self) -> WeightsKey | None:
         if self._weights_key is None and cache_frozen_graphs():
-            self._weights_key = WeightsKey(weights_digest(list(self._prepare()[1][False].named_parameters())))
+            weights = self._prepare()[1][False].named_parameters()  # (a oneDNN copy: digested as its weight)
+            self._weights_key = WeightsKey(weights_digest([(n, t) for n, t in weights if t.layout == torch.strided]))
         return self._weights_key
 
     def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False,

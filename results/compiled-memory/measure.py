@@ -1,0 +1,77 @@
+"""Memory and decode speed of the float32 compiled CPU step, per bucket: Inductor's GEMM
+template (the default: a packed copy of the weights per graph) against ``KVSHARE_CPU_GEMM=onednn``
+(one oneDNN-packed copy shared by every graph).
+
+``python results/compiled-memory/measure.py [--rounds N] [--out DIR]``: for each variant in turn
+(alternating over rounds), a fresh process over an empty Inductor cache loads SmolLM2-135M in
+float32, and for batches of 1, 2, 4, 8 and 16 requests compiles the bucket (a first generate),
+then times 48 greedy tokens a request. Prints tokens a second and RSS after each bucket, and
+the peak; writes ``measure.json`` with the provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = {"template": {}, "onednn": {"KVSHARE_CPU_GEMM": "onednn"}}
+BATCHES = (1, 2, 4, 8, 16)
+TOKENS = 48
+
+
+def one_process() -> dict:
+    import psutil
+
+    from kvshare.serve import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m-instruct", compile="on", dtype="float32", kv_cache_tokens=4096)
+    process = psutil.Process()
+    figures = {"rss_loaded_mb": process.memory_info().rss / 2**20}
+    prompt = llm.engine.tokenizer.encode("Summarise the history of the Roman empire in one paragraph.",
+                                         add_special_tokens=False)
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    for batch in BATCHES:
+        llm.generate([prompt] * batch, params)  # compiles the bucket
+        start = time.perf_counter()
+        llm.generate([prompt] * batch, params)
+        figures[f"b{batch}_tok_s"] = batch * TOKENS / (time.perf_counter() - start)
+        figures[f"b{batch}_rss_mb"] = process.memory_info().rss / 2**20
+    figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    args = parser.parse_args()
+    from kvshare.provenance import provenance
+
+    runs = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, env in VARIANTS.items():
+            with tempfile.TemporaryDirectory(prefix="kvshare-mem-") as cache:
+                done = subprocess.run([sys.executable, __file__, "--one"], capture_output=True, text=True,
+                                      env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": cache,
+                                           "KVSHARE_COMPILE": "on"})
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(name, json.dumps({k: round(v, 1) for k, v in runs[name][-1].items()}), flush=True)
+    report = {"runs": runs, "provenance": provenance(["python", "results/compiled-memory/measure.py", *sys.argv[1:]])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "measure.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--one"]:
+        print(json.dumps(one_process()))
+    else:
+        main()
