@@ -197,10 +197,11 @@ def test_steps_it_cannot_take_run_eager(engines, tokenizer):
     runner.model.hidden_capture = None
 
 
-def _assert_steps_score_as_eager(llm, tokenizer, monkeypatch) -> None:
+def _assert_steps_score_as_eager(llm, tokenizer, monkeypatch, share: float = 0.06) -> None:
     """Run every compiled step of a mixed base / LoRA / ICaRus batch eagerly too, on the same
-    batch, and hold the logits together within bfloat16 rounding of differently ordered sums
-    (6% of the largest logit; a wrong or misplaced weight is off by the logits' whole size)."""
+    batch, and hold the logits together within ``share`` of the largest logit (by default
+    bfloat16 rounding of differently ordered sums, 6%; a wrong or misplaced weight is off by
+    the logits' whole size)."""
     runner = llm.engine.runner
     step, pairs = runner.compiled.forward, []
 
@@ -214,7 +215,22 @@ def _assert_steps_score_as_eager(llm, tokenizer, monkeypatch) -> None:
     _generate(llm, prompts_for(tokenizer, 3), [None, "lora-a", "icarus-a"], SamplingParams(max_tokens=6, ignore_eos=True))
     assert len(pairs) >= 5  # the decode steps
     for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=0, atol=0.06 * float(want.abs().max()))
+        torch.testing.assert_close(got, want, rtol=0, atol=share * float(want.abs().max()))
+
+
+def test_float32_projections_from_one_onednn_copy_score_as_the_eager_step(base, adapters, tokenizer,
+                                                                         monkeypatch):
+    """KVSHARE_CPU_GEMM=onednn: the float32 graphs multiply the projections by one oneDNN-packed
+    copy of each weight, made once and shared by both graphs (and so by every bucket); every
+    compiled step of a mixed base / LoRA / ICaRus batch scores as the eager step within float32
+    rounding (0.1% of the largest logit)."""
+    monkeypatch.setenv("KVSHARE_CPU_GEMM", "onednn")
+    llm = LLM(base, [adapters["lora-a"], adapters["icarus-a"]], compile="on", **SETTINGS)
+    _, graphs, _ = llm.engine.runner.compiled._prepare()
+    decoders = [graph._orig_mod for graph in graphs.values()]
+    assert all(d.onednn == 1 and d.l0_qkv_onednn.layout == torch._mkldnn for d in decoders)
+    assert decoders[0].packed is decoders[1].packed and len(decoders[0].packed) == 4 * len(llm.engine.model.layers)
+    _assert_steps_score_as_eager(llm, tokenizer, monkeypatch, share=1e-3)
 
 
 def test_int8_weights_in_bfloat16_score_as_the_eager_step(base, adapters, tokenizer, monkeypatch):

@@ -1,6 +1,7 @@
-"""Memory and decode speed of the float32 compiled CPU step, per bucket: Inductor's GEMM
-template (the default: a packed copy of the weights per graph) against ``KVSHARE_CPU_GEMM=onednn``
-(one oneDNN-packed copy shared by every graph).
+"""Memory and decode speed of the float32 compiled CPU step, per bucket, for each
+``KVSHARE_CPU_GEMM``: ``inductor`` (Inductor's GEMM template everywhere: a packed copy of the
+weights per graph), ``auto`` (the default: the template below 8 rows, one shared oneDNN-packed
+copy from 8 rows) and ``onednn`` (the shared copy everywhere).
 
 ``python results/compiled-memory/measure.py [--rounds N] [--out DIR]``: for each variant in turn
 (alternating over rounds), a fresh process over an empty Inductor cache loads SmolLM2-135M in
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = {"template": {}, "onednn": {"KVSHARE_CPU_GEMM": "onednn"}}
+VARIANTS = {name: {"KVSHARE_CPU_GEMM": name} for name in ("inductor", "auto", "onednn")}
 BATCHES = (1, 2, 4, 8, 16)
 TOKENS = 48
 

@@ -151,21 +151,29 @@ class VnniWeight(NamedTuple):
 
 
 class OneDnnWeight(NamedTuple):
-    """A float32 weight and its one copy in oneDNN's blocked order (:func:`packs_float32`)."""
+    """A float32 weight and its one copy in oneDNN's blocked order, for buckets of ``rows`` rows
+    and more (:func:`onednn_rows`)."""
     plain: torch.Tensor
     packed: torch.Tensor
+    rows: int
 
 
-def packs_float32(model: Model) -> bool:
-    """Whether the graphs multiply float32 projections by one oneDNN-packed copy of each weight,
-    made once per engine and shared by every bucket and both graphs: ``KVSHARE_CPU_GEMM=onednn``,
-    the memory-lean choice. By default Inductor's GEMM template packs every graph (bucket) a
-    copy of its own, which its decode speed needs. Measured on 2 AMD EPYC cores (AVX512-BF16),
-    SmolLM2-135M in float32, buckets of 1, 2, 4, 8 and 16 rows: peak RSS 6.5 GB with the template
-    and 2.1 GB with one oneDNN copy; decode 28-131 tok/s against 34-157, slowest at 4 rows
-    (63 against 98; results/compiled-memory/)."""
-    return (model.dtype == torch.float32 and cpu_linear.gemm_choice() == "onednn"
-            and torch.backends.mkldnn.is_available())
+ONEDNN_ROWS = 8  # float32 buckets from this many rows multiply by the shared oneDNN copy (``auto``)
+
+
+def onednn_rows(model: Model) -> int | None:
+    """From how many rows a bucket's float32 projections multiply by one oneDNN-packed copy of
+    each weight, made once per engine and shared by every such graph; None: none do. ``auto``:
+    buckets of :data:`ONEDNN_ROWS` rows and more, smaller ones keep Inductor's GEMM template,
+    which packs each graph a copy of its own; ``onednn``: every bucket (the memory-lean choice);
+    ``inductor``: none. Measured on 2 AMD EPYC cores (AVX512-BF16), SmolLM2-135M in float32,
+    two rounds, template against the oneDNN copy: 36 against 22-27 tok/s at 1 row, 97-98 against
+    64-68 at 4, 101-148 against 137-139 at 8, 148-152 against 220-221 at 16; peak RSS with the
+    five buckets 6.5-7.0 GB against 2.1 GB (results/compiled-memory/)."""
+    choice = cpu_linear.gemm_choice()
+    if model.dtype != torch.float32 or choice == "inductor" or not torch.backends.mkldnn.is_available():
+        return None
+    return 1 if choice == "onednn" else ONEDNN_ROWS
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +185,9 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
     if not isinstance(weight, tuple):
         return F.linear(x, weight, bias)
     if isinstance(weight, OneDnnWeight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+        if x.numel() // x.shape[-1] >= weight.rows:
+            return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+        return F.linear(x, weight.plain, bias)
     if isinstance(weight, VnniWeight):
         if x.numel() // x.shape[-1] <= cpu_linear.MAX_ROWS:
             return torch.ops.kvshare.linear_vnni(x, weight.packed, bias)
@@ -211,7 +221,7 @@ class _Decoder(torch.nn.Module):
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
-        self.onednn = packs_float32(model)  # float32 projections by one packed copy of each weight
+        self.onednn = onednn_rows(model)  # float32 buckets from this many rows: one packed copy of each weight
         for name in ("embed", "final_norm"):  # the head runs after the graph, on the logit rows only
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -240,7 +250,7 @@ class _Decoder(torch.nn.Module):
                 if name not in self.packed:
                     self.packed[name] = cpu_linear.pack(value)
                 setattr(self, f"{name}_vnni", param(self.packed[name]))
-            elif self.onednn and name.endswith(_PROJECTIONS) and value.dtype == torch.float32 and value.dim() == 2:
+            elif self.onednn is not None and name.endswith(_PROJECTIONS) and value.dtype == torch.float32 and value.dim() == 2:
                 if name not in self.packed:  # packed for one row: the layout every row count runs fastest on
                     self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(value, 1)
                 setattr(self, f"{name}_onednn", param(self.packed[name]))
@@ -255,7 +265,7 @@ class _Decoder(torch.nn.Module):
         if hasattr(self, f"{name}_vnni"):
             return VnniWeight(getattr(self, name), getattr(self, f"{name}_vnni"))
         if hasattr(self, f"{name}_onednn"):
-            return OneDnnWeight(getattr(self, name), getattr(self, f"{name}_onednn"))
+            return OneDnnWeight(getattr(self, name), getattr(self, f"{name}_onednn"), self.onednn)
         return getattr(self, name)
 
     def _layers(self) -> list[dict]:
@@ -296,7 +306,9 @@ class _Decoder(torch.nn.Module):
             deltas = [lora_delta(x, weights[name][0][i], weights[name][1][i], index, scale) for name, _ in parts]
             delta = torch.cat(deltas, -1) if len(deltas) > 1 else deltas[0]  # float32: one rounding below
             y = _linear(x, weight, bias)
-            return (y.to(delta.dtype) + delta).to(y.dtype)
+            # delta first: Inductor's freezing pass folds ``linear(...) + t`` into the linear's bias
+            # assuming it packed the weight itself, which fails on the shared oneDNN copy
+            return (delta + y.to(delta.dtype)).to(y.dtype)
 
         return self._run(tokens, positions, project)
 
@@ -411,10 +423,12 @@ class CompiledStep(BucketedStep):
             if self._parts is None:
                 model, packed = self.model, {}
                 native = native_rows(model)
-                # (with its GEMM template in the running, Inductor would pack each graph a copy of its own)
-                lone = {"max_autotune": False} if packs_float32(model) else {}
+                options = {adapted: dict(GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
+                if onednn_rows(model) is not None:  # autotuned per bucket instead (:meth:`_autotunes`)
+                    for chosen in options.values():
+                        chosen.pop("max_autotune")
                 graphs = {adapted: torch.compile(_Decoder(model, adapted, packed, native).eval(), fullgraph=True,
-                                                 dynamic=False, options={**GRAPH_OPTIONS[adapted], **lone})
+                                                 dynamic=False, options=options[adapted])
                           for adapted in (False, True)}
                 head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
                 head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
@@ -513,7 +527,7 @@ class CompiledStep(BucketedStep):
             with ExitStack() as settings:
                 if owned:  # (Dynamo's and Inductor's configs are per thread: set where the compile runs)
                     settings.enter_context(torch._dynamo.config.patch(RECOMPILE_LIMITS))
-                    settings.enter_context(torch._inductor.config.patch(freezing=True,
+                    settings.enter_context(torch._inductor.config.patch(freezing=True, max_autotune=self._autotunes(size),
                                                                         post_grad_custom_post_pass=self._key()))
                     settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
                 return call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
@@ -532,6 +546,13 @@ class CompiledStep(BucketedStep):
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
             if owned:
                 _stance_lock.release()
+
+    def _autotunes(self, size: int) -> bool:
+        """Whether Inductor autotunes bucket ``size``'s GEMMs (its template in the running): not
+        where the projections take the shared oneDNN copy, since the template would pack that
+        graph a copy of its own in its place."""
+        rows = onednn_rows(self.model)
+        return rows is None or size < rows
 
     def _key(self) -> WeightsKey | None:
         if self._weights_key is None and cache_frozen_graphs():
