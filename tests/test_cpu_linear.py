@@ -155,7 +155,8 @@ def test_the_head_takes_dot_products_up_to_the_rows_where_they_win(monkeypatch):
         pytest.skip("the dot-product kernel does not run here")
     weight = (torch.randn(64, 32) / 8).bfloat16()
     calls = []
-    step = SimpleNamespace(_head_packed=cpu_linear.pack(weight), _head_rows=cpu_linear.AMX_HEAD_ROWS,
+    packed = cpu_linear.pack(weight)
+    step = SimpleNamespace(_prepare=lambda: (0, {}, packed), _head_rows=cpu_linear.AMX_HEAD_ROWS,
                            model=SimpleNamespace(head=lambda h: calls.append(len(h)) or F.linear(h, weight).float()))
     for n in (cpu_linear.AMX_HEAD_ROWS, cpu_linear.AMX_HEAD_ROWS + 2):
         hidden = torch.randn(n, 32).bfloat16()

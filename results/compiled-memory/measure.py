@@ -1,7 +1,7 @@
 """Memory and decode speed of the float32 compiled CPU step, per bucket, for each
-``KVSHARE_CPU_GEMM``: ``inductor`` (Inductor's GEMM template everywhere: a packed copy of the
-weights per graph), ``auto`` (the default: the template below 8 rows, one shared oneDNN-packed
-copy from 8 rows) and ``onednn`` (the shared copy everywhere).
+``KVSHARE_CPU_GEMM``: ``inductor`` (Inductor's GEMM template everywhere, what ``auto`` means in
+float32: a packed copy of the weights per graph) and ``onednn`` (one oneDNN-packed copy of each
+weight shared by every graph).
 
 ``python results/compiled-memory/measure.py [--rounds N] [--out DIR]``: for each variant in turn
 (alternating over rounds), a fresh process over an empty Inductor cache loads SmolLM2-135M in
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = {name: {"KVSHARE_CPU_GEMM": name} for name in ("inductor", "auto", "onednn")}
+VARIANTS = {name: {"KVSHARE_CPU_GEMM": name} for name in ("inductor", "onednn")}
 BATCHES = (1, 2, 4, 8, 16)
 TOKENS = 48
 
@@ -52,12 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     from kvshare.provenance import provenance
 
-    runs = {name: [] for name in VARIANTS}
+    runs = {name: [] for name in args.variants}
     for _ in range(args.rounds):
-        for name, env in VARIANTS.items():
+        for name in args.variants:
+            env = VARIANTS[name]
             with tempfile.TemporaryDirectory(prefix="kvshare-mem-") as cache:
                 done = subprocess.run([sys.executable, __file__, "--one"], capture_output=True, text=True,
                                       env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": cache,
@@ -68,7 +70,7 @@ def main() -> None:
             print(name, json.dumps({k: round(v, 1) for k, v in runs[name][-1].items()}), flush=True)
     report = {"runs": runs, "provenance": provenance(["python", "results/compiled-memory/measure.py", *sys.argv[1:]])}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "measure.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / f"measure-{'-'.join(args.variants)}.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

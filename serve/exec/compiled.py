@@ -158,22 +158,22 @@ class OneDnnWeight(NamedTuple):
     rows: int
 
 
-ONEDNN_ROWS = 8  # float32 buckets from this many rows multiply by the shared oneDNN copy (``auto``)
+UNPACKED_INT8 = ("the compiled step takes int8 weights of bfloat16 models whose input size is a multiple of 16; "
+                 "run this one with --compile off")
 
 
 def onednn_rows(model: Model) -> int | None:
     """From how many rows a bucket's float32 projections multiply by one oneDNN-packed copy of
-    each weight, made once per engine and shared by every such graph; None: none do. ``auto``:
-    buckets of :data:`ONEDNN_ROWS` rows and more, smaller ones keep Inductor's GEMM template,
-    which packs each graph a copy of its own; ``onednn``: every bucket (the memory-lean choice);
-    ``inductor``: none. Measured on 2 AMD EPYC cores (AVX512-BF16), SmolLM2-135M in float32,
-    two rounds, template against the oneDNN copy: 36 against 22-27 tok/s at 1 row, 97-98 against
-    64-68 at 4, 101-148 against 137-139 at 8, 148-152 against 220-221 at 16; peak RSS with the
-    five buckets 6.5-7.0 GB against 2.1 GB (results/compiled-memory/)."""
-    choice = cpu_linear.gemm_choice()
-    if model.dtype != torch.float32 or choice == "inductor" or not torch.backends.mkldnn.is_available():
+    each weight, made once per engine and shared by every graph; None: none do.
+    ``KVSHARE_CPU_GEMM=onednn`` (the memory-lean choice): every bucket; else none, and Inductor's
+    GEMM template packs each graph (bucket) a copy of its own, which it needs for its speed below
+    16 rows. Measured on 2 AMD EPYC cores (AVX512-BF16), SmolLM2-135M in float32, template
+    against the oneDNN copy: 35 against 27 tok/s at 1 row, 93 against 60 at 4, 152 against 137 at
+    8, 153 against 213 at 16; peak RSS with the five buckets 7.1 GB against 2.1 GB
+    (results/compiled-memory/)."""
+    if model.dtype != torch.float32 or cpu_linear.gemm_choice() != "onednn" or not torch.backends.mkldnn.is_available():
         return None
-    return 1 if choice == "onednn" else ONEDNN_ROWS
+    return 1
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,8 +236,7 @@ class _Decoder(torch.nn.Module):
         param = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
         if isinstance(value, Int8Weight):
             if not value.packed_kernel:
-                raise KvshareError("the compiled step takes int8 weights of bfloat16 models whose input size is a "
-                                   "multiple of 16; run this one with --compile off")
+                raise KvshareError(UNPACKED_INT8)
             setattr(self, f"{name}_q", param(value.q))
             setattr(self, f"{name}_scale", param(value.scale))
         elif isinstance(value, Int4Weight):
@@ -403,6 +402,8 @@ class CompiledStep(BucketedStep):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
         super().__init__(model, max_rows, max_loras, max_lora_rank)
+        if unpacked_int8(model):  # refused at start, not at the first compile
+            raise KvshareError(UNPACKED_INT8)
         self._parts: tuple | None = None  # (native rows, graphs, packed head): :meth:`_prepare`
         self._parts_lock = threading.Lock()
         self._head_rows = cpu_linear.head_rows()
