@@ -21,7 +21,7 @@ import torch
 from ...errors import KvshareError
 from . import extension
 
-CHOICES = ("auto", "vnni", "inductor", "onednn")  # float32 graphs: :func:`kvshare.serve.exec.compiled.onednn_rows`
+CHOICES = ("auto", "vnni", "inductor", "onednn")  # float32 graphs: :func:`kvshare.serve.exec.compiled.packs_float32`
 MAX_ROWS = 16  # decode buckets; a larger bucket (a prompt chunk beside decode rows) keeps the GEMM template
 AMX_HEAD_ROWS = 6  # where oneDNN multiplies on AMX tiles, the head's rows the kernel still beats it at
 

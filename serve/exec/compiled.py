@@ -151,29 +151,25 @@ class VnniWeight(NamedTuple):
 
 
 class OneDnnWeight(NamedTuple):
-    """A float32 weight and its one copy in oneDNN's blocked order, for buckets of ``rows`` rows
-    and more (:func:`onednn_rows`)."""
+    """A float32 weight and its one copy in oneDNN's blocked order (:func:`packs_float32`)."""
     plain: torch.Tensor
     packed: torch.Tensor
-    rows: int
 
 
 UNPACKED_INT8 = ("the compiled step takes int8 weights of bfloat16 models whose input size is a multiple of 16; "
                  "run this one with --compile off")
 
 
-def onednn_rows(model: Model) -> int | None:
-    """From how many rows a bucket's float32 projections multiply by one oneDNN-packed copy of
-    each weight, made once per engine and shared by every graph; None: none do.
-    ``KVSHARE_CPU_GEMM=onednn`` (the memory-lean choice): every bucket; else none, and Inductor's
-    GEMM template packs each graph (bucket) a copy of its own, which it needs for its speed below
-    16 rows. Measured on 2 AMD EPYC cores (AVX512-BF16), SmolLM2-135M in float32, template
-    against the oneDNN copy: 35 against 27 tok/s at 1 row, 93 against 60 at 4, 152 against 137 at
-    8, 153 against 213 at 16; peak RSS with the five buckets 7.1 GB against 2.1 GB
-    (results/compiled-memory/)."""
-    if model.dtype != torch.float32 or cpu_linear.gemm_choice() != "onednn" or not torch.backends.mkldnn.is_available():
-        return None
-    return 1
+def packs_float32(model: Model) -> bool:
+    """Whether the float32 graphs multiply the projections by one oneDNN-packed copy of each
+    weight, made once per engine and shared by every graph: ``KVSHARE_CPU_GEMM=onednn``, the
+    memory-lean choice. Else Inductor's GEMM template packs each graph (bucket) a copy of its
+    own, which it needs for its speed below 16 rows. Measured on 2 AMD EPYC cores (AVX512-BF16),
+    SmolLM2-135M in float32, template against the oneDNN copy: 35 against 27 tok/s at 1 row, 93
+    against 60 at 4, 152 against 137 at 8, 153 against 213 at 16; peak RSS with the five buckets
+    7.1 GB against 2.1 GB (results/compiled-memory/)."""
+    return (model.dtype == torch.float32 and cpu_linear.gemm_choice() == "onednn"
+            and torch.backends.mkldnn.is_available())
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,9 +181,7 @@ def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
     if not isinstance(weight, tuple):
         return F.linear(x, weight, bias)
     if isinstance(weight, OneDnnWeight):
-        if x.numel() // x.shape[-1] >= weight.rows:
-            return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
-        return F.linear(x, weight.plain, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     if isinstance(weight, VnniWeight):
         if x.numel() // x.shape[-1] <= cpu_linear.MAX_ROWS:
             return torch.ops.kvshare.linear_vnni(x, weight.packed, bias)
@@ -221,7 +215,7 @@ class _Decoder(torch.nn.Module):
         self.adapted = adapted  # this graph adds LoRA deltas from the slot stacks (steps with adapters) or not
         self.int4_groups: dict[str, int] = {}  # int4 weights' group sizes, by weight name
         self.vnni = cpu_linear.wanted()  # projections of decode buckets in dot products (bfloat16 weights)
-        self.onednn = onednn_rows(model)  # float32 buckets from this many rows: one packed copy of each weight
+        self.onednn = packs_float32(model)  # float32 projections by one shared packed copy of each weight
         for name in ("embed", "final_norm"):  # the head runs after the graph, on the logit rows only
             self._weight(name, getattr(model, name))
         self.present: list[tuple[str, ...]] = []
@@ -249,7 +243,7 @@ class _Decoder(torch.nn.Module):
                 if name not in self.packed:
                     self.packed[name] = cpu_linear.pack(value)
                 setattr(self, f"{name}_vnni", param(self.packed[name]))
-            elif self.onednn is not None and name.endswith(_PROJECTIONS) and value.dtype == torch.float32 and value.dim() == 2:
+            elif self.onednn and name.endswith(_PROJECTIONS) and value.dtype == torch.float32 and value.dim() == 2:
                 if name not in self.packed:  # packed for one row: the layout every row count runs fastest on
                     self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(value, 1)
                 setattr(self, f"{name}_onednn", param(self.packed[name]))
@@ -264,7 +258,7 @@ class _Decoder(torch.nn.Module):
         if hasattr(self, f"{name}_vnni"):
             return VnniWeight(getattr(self, name), getattr(self, f"{name}_vnni"))
         if hasattr(self, f"{name}_onednn"):
-            return OneDnnWeight(getattr(self, name), getattr(self, f"{name}_onednn"), self.onednn)
+            return OneDnnWeight(getattr(self, name), getattr(self, f"{name}_onednn"))
         return getattr(self, name)
 
     def _layers(self) -> list[dict]:
@@ -424,12 +418,10 @@ class CompiledStep(BucketedStep):
             if self._parts is None:
                 model, packed = self.model, {}
                 native = native_rows(model)
-                options = {adapted: dict(GRAPH_OPTIONS[adapted]) for adapted in (False, True)}
-                if onednn_rows(model) is not None:  # autotuned per bucket instead (:meth:`_autotunes`)
-                    for chosen in options.values():
-                        chosen.pop("max_autotune")
+                # (with its GEMM template in the running, Inductor would pack each graph a copy of its own)
+                lean = {"max_autotune": False} if packs_float32(model) else {}
                 graphs = {adapted: torch.compile(_Decoder(model, adapted, packed, native).eval(), fullgraph=True,
-                                                 dynamic=False, options=options[adapted])
+                                                 dynamic=False, options={**GRAPH_OPTIONS[adapted], **lean})
                           for adapted in (False, True)}
                 head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
                 head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
@@ -528,7 +520,7 @@ class CompiledStep(BucketedStep):
             with ExitStack() as settings:
                 if owned:  # (Dynamo's and Inductor's configs are per thread: set where the compile runs)
                     settings.enter_context(torch._dynamo.config.patch(RECOMPILE_LIMITS))
-                    settings.enter_context(torch._inductor.config.patch(freezing=True, max_autotune=self._autotunes(size),
+                    settings.enter_context(torch._inductor.config.patch(freezing=True,
                                                                         post_grad_custom_post_pass=self._key()))
                     settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
                 return call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
@@ -547,13 +539,6 @@ class CompiledStep(BucketedStep):
                 log.warning("kvshare: the CPU step for %d rows was compiled again (a guard failed)", size)
             if owned:
                 _stance_lock.release()
-
-    def _autotunes(self, size: int) -> bool:
-        """Whether Inductor autotunes bucket ``size``'s GEMMs (its template in the running): not
-        where the projections take the shared oneDNN copy, since the template would pack that
-        graph a copy of its own in its place."""
-        rows = onednn_rows(self.model)
-        return rows is None or size < rows
 
     def _key(self) -> WeightsKey | None:
         if self._weights_key is None and cache_frozen_graphs():
