@@ -74,7 +74,7 @@ def extension(wait: bool = True):
     """The built extension module, or None where it cannot be built (warned once).
 
     ``wait=False`` (an eager step's attention): where the extension is not built on this machine
-    yet, start building it on a background thread and return None now, so that a first request
+    yet, start building it in a background process and return None now, so that a first request
     runs on the torch reference instead of waiting about a minute for the compiler; a build
     already on disk is loaded at once."""
     if _built:
@@ -94,7 +94,7 @@ def built_on_disk() -> bool:
 
 
 def building() -> bool:
-    """Whether the extension is being built on the background thread right now."""
+    """Whether the extension is being built in the background right now."""
     thread = _background[0] if _background else None
     return thread is not None and thread.is_alive()
 
