@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 import urllib.request
@@ -23,11 +22,10 @@ from pathlib import Path
 
 import psutil
 
-from ...errors import KvshareError
 from ...loopback import free_port
 from .common import folder_mb
-from .peers import (LLAMACPP_VERSION, VLLM_VERSION, VLLMServer, ensure_llamacpp_venv, ensure_vllm_venv,
-                    kv_space_gib, llamacpp_gguf, vllm_serve_command)
+from .peers import (LLAMACPP_VERSION, VLLM_VERSION, VLLMServer, _run_probe, ensure_llamacpp_venv,
+                    ensure_vllm_venv, kv_space_gib, llamacpp_gguf, vllm_serve_command)
 
 LLAMACPP_STARTUP_PROBE = Path(__file__).with_name("llamacpp_startup_probe.py")  # imports llama_cpp only
 
@@ -95,14 +93,8 @@ def llamacpp_start(venv: Path | None, model_dir: Path, prompt: str, threads: int
     """One llama.cpp start on the model's GGUF, base only."""
     venv = ensure_llamacpp_venv(venv)
     gguf = llamacpp_gguf(model_dir)
-    log = scratch / "llamacpp-startup.log"
     command = [str(Path(venv) / "bin" / "python"), "-P", str(LLAMACPP_STARTUP_PROBE.resolve()), "--gguf", str(gguf),
                "--prompt", prompt, "--threads", str(threads), "--t0", str(time.time())]
-    with open(log, "w") as stderr:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=scratch,
-                              env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise KvshareError(f"the llama.cpp start failed (exit {done.returncode}): {tail[0]}")
-    return {"version": LLAMACPP_VERSION, "gguf": gguf.name, "runs": {"base": json.loads(lines[-1])}}
+    figures = _run_probe("llama.cpp", command, dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                         scratch / "llamacpp-startup.log", timeout=600)
+    return {"version": LLAMACPP_VERSION, "gguf": gguf.name, "runs": {"base": figures}}
