@@ -10,6 +10,7 @@ import torch
 
 from kvshare.errors import KvshareError
 import kvshare.serve.exec.compiled as compiled_module
+import kvshare.serve.exec.shared_constants as shared_constants
 from kvshare.kernels import Kernels, cpu
 from kvshare.kernels.quant import Int8Weight
 from kvshare.kernels.registry import backends
@@ -22,6 +23,16 @@ from test_engine import adapters, base, invocation, prompts_for, tokenizer  # no
 pytestmark = pytest.mark.skipif(compiler_blocker() is not None, reason=str(compiler_blocker()))
 
 SETTINGS = dict(kv_cache_tokens=512, block_size=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def share_small_constants():
+    """The tiny model's packed weights are shared as SmolLM2's are (the floor is for real models):
+    every graph of this module runs on the constants kept once, against the eager engine.
+    Yields the graph modules loaded before (other tests' graphs)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shared_constants, "MIN_BYTES", 1024)
+        yield {id(m) for m in shared_constants.graph_modules()}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +109,24 @@ def assert_only_running_sequences_wrote(engine, before: torch.Tensor, position: 
     assert {b * bs + o for b, o in changed.nonzero().tolist()} == written and len(written) == 3
     while engine.has_unfinished():
         engine.step()
+
+
+def test_graphs_keep_one_copy_of_the_packed_weights_they_share(engines, share_small_constants):
+    """The buckets compiled so far (with adapters and without) packed the same weights alike:
+    no two of their constants are equal distinct tensors, and some were shared."""
+    compiled, _ = engines
+    assert compiled.engine.runner.compiled.shared_bytes > 0
+    ours = [m for m in shared_constants.graph_modules() if id(m) not in share_small_constants]
+    constants = [v for m in ours for v in vars(m).values()
+                 if isinstance(v, torch.Tensor) and v.layout == torch.strided and v.dim() == 3]
+    assert constants  # the GEMM template's blocked copies
+    distinct = list({id(t): t for t in constants}.values())
+    groups = {}
+    for t in distinct:
+        groups.setdefault((t.dtype, tuple(t.shape), t.stride()), []).append(t)
+    for same_shape in groups.values():
+        for i, a in enumerate(same_shape):
+            assert not any(torch.equal(a, b) for b in same_shape[i + 1:])
 
 
 def _chunk_beside_decoding(llm, tokenizer, chunk: int = 40) -> tuple[list[int], int, int, list[list[int]]]:

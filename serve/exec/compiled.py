@@ -60,6 +60,7 @@ from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, lora_delta
 from .model import Model, _rms_norm
+from .shared_constants import graph_modules, return_freed_memory, share_constants
 from .step_buckets import BucketedStep, StepUnavailable
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,21 @@ def packs_float32(model: Model) -> bool:
     7.1 GB against 2.1 GB (results/compiled-memory/)."""
     return (model.dtype == torch.float32 and cpu_linear.gemm_choice() == "onednn"
             and torch.backends.mkldnn.is_available())
+
+
+def gemm_options(model: Model) -> dict:
+    """Inductor options for the projections. ``onednn`` (:func:`packs_float32`): no autotuning,
+    which would put the template in the running and pack a copy anyway. Float32 on AVX-512: the
+    template for every bucket, ATen's GEMM out of the running: autotuning picked ATen's
+    MKL-packed GEMM at 16 rows, which packed that graph a 1.4 GB copy of SmolLM2's 0.4 GB of
+    projections and decoded slower end to end (145 against 188 tok/s, AMD EPYC AVX512-BF16,
+    results/compiled-memory/); the template's copies are alike in every bucket, so they are
+    kept once (:mod:`.shared_constants`). Elsewhere (AVX2 only, not measured) autotuning picks."""
+    if packs_float32(model):
+        return {"max_autotune": False}
+    if model.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return {"max_autotune_gemm_backends": "CPP"}
+    return {}
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -404,6 +420,7 @@ class CompiledStep(BucketedStep):
         self.traced: set[tuple[int, bool]] = set()  # (bucket, adapted) compiled so far
         self._weights_key: WeightsKey | None = None  # made at the first compile (hashing the weights)
         self._layer_rows: tuple = (None, [], 0)  # (KV memory, its per-layer slot views, ratio)
+        self.shared_bytes = 0  # packed constants of new graphs pointed at an earlier graph's equal ones
         self.recompiles = 0  # graphs compiled for a bucket already compiled (a guard failed): should stay 0
         # background: a bucket without its graph runs eager while the graph is lowered on the
         # process's compile worker (:mod:`.background_compile`); else the step compiles it first
@@ -418,10 +435,8 @@ class CompiledStep(BucketedStep):
             if self._parts is None:
                 model, packed = self.model, {}
                 native = native_rows(model)
-                # (with its GEMM template in the running, Inductor would pack each graph a copy of its own)
-                lean = {"max_autotune": False} if packs_float32(model) else {}
                 graphs = {adapted: torch.compile(_Decoder(model, adapted, packed, native).eval(), fullgraph=True,
-                                                 dynamic=False, options={**GRAPH_OPTIONS[adapted], **lean})
+                                                 dynamic=False, options={**GRAPH_OPTIONS[adapted], **gemm_options(model)})
                           for adapted in (False, True)}
                 head = model.lm_head  # in dot products for up to head_rows() rows wherever that kernel runs
                 head_packed = cpu_linear.pack(head) if cpu_linear.packable(head) and cpu_linear.head_wanted() else None
@@ -505,6 +520,7 @@ class CompiledStep(BucketedStep):
         adapted = bool(lora)
         owned = _stance_lock.acquire(blocking=first)  # a compiled graph beside a compile: full guards
         graphs = counters["stats"]["unique_graphs"]
+        loaded = {id(m) for m in graph_modules()} if first else set()
         _step.context = context
         try:
             if context.plan is not None:  # the C++ op's plan for this step, on this thread
@@ -523,7 +539,11 @@ class CompiledStep(BucketedStep):
                     settings.enter_context(torch._inductor.config.patch(freezing=True,
                                                                         post_grad_custom_post_pass=self._key()))
                     settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
-                return call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
+                hidden = call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
+            if first:  # the new graph's packed weights: one copy with the earlier graphs' equal ones
+                self.shared_bytes += share_constants([m for m in graph_modules() if id(m) not in loaded])
+                return_freed_memory()
+            return hidden
         except Exception as err:
             if not first:
                 raise
