@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.codecache import PyCodeCache
 
 from kvshare.serve import LLM, SamplingParams
+import kvshare.serve.exec.shared_constants as shared_constants
 from kvshare.serve.exec.compiled import compiler_blocker
 from kvshare.serve.exec.graph_cache import WeightsKey, cache_frozen_graphs, release_compiled_graphs, weights_digest
 
@@ -46,12 +47,16 @@ def test_a_graph_loads_for_the_same_weights_and_never_for_others(base, tiny_mode
                                                                   monkeypatch):
     assert cache_frozen_graphs()  # the pinned torch's internals are the ones patched
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(shared_constants, "MIN_BYTES", 1024)  # the tiny model's packed weights go to the store
     prompts = prompts_for(tokenizer, 2)
     first, hits, misses = _compiled(base, prompts)
     assert (hits, misses) == (0, 1)
+    stored = sorted((tmp_path / "inductor" / "kvshare-constants").glob("*.safetensors"))
+    assert stored  # the entry names them; their bytes lie once in the store
     again, hits, misses = _compiled(base, prompts)
     assert (hits, misses) == (1, 0)
     assert again == first == _greedy(LLM(base, compile="off", **SETTINGS), prompts)
+    assert sorted((tmp_path / "inductor" / "kvshare-constants").glob("*.safetensors")) == stored
 
     other = tiny_models("llama", seed=1)  # same shapes, other values
     got, hits, misses = _compiled(other, prompts)

@@ -1,7 +1,7 @@
 """Memory and decode speed of the float32 compiled CPU step, per bucket, for each
 ``KVSHARE_CPU_GEMM``: ``inductor`` (Inductor's GEMM template everywhere, what ``auto`` means in
 float32: the template's packed copies, alike in every graph, kept once; ``inductor-before``: as
-before that, each graph its own copies and ATen's GEMM in the autotuning) and ``onednn`` (one oneDNN-packed copy of each
+before that, each graph and each cache entry its own copies, ATen's GEMM in the autotuning) and ``onednn`` (one oneDNN-packed copy of each
 weight shared by every graph).
 
 ``python results/compiled-memory/measure.py [--rounds N] [--out DIR]``: for each variant in turn
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 VARIANTS = {name: {"KVSHARE_CPU_GEMM": name} for name in ("inductor", "onednn")}
-# as kvshare compiled before (this script only): each graph its own packed copies, nothing
-# trimmed after a compile, and ATen's GEMM in the autotuning beside the template
+# as kvshare compiled before (this script only): each graph and cache entry its own packed
+# copies, nothing trimmed after a compile, and ATen's GEMM in the autotuning beside the template
 VARIANTS["inductor-before"] = {"KVSHARE_CPU_GEMM": "inductor", "MEASURE_BEFORE": "1"}
 BATCHES = (1, 2, 4, 8, 16)
 TOKENS = 48
@@ -42,6 +42,9 @@ def one_process() -> dict:
         compiled.share_constants = lambda modules: 0
         compiled.return_freed_memory = lambda: None
         compiled.gemm_options = lambda model: {}
+        import kvshare.serve.exec.graph_cache as graph_cache
+
+        graph_cache.stored_entry_constants = lambda constants: constants  # each entry its own copy
 
     llm = LLM("smollm2-135m-instruct", compile="on", dtype="float32", kv_cache_tokens=4096)
     process = psutil.Process()
@@ -56,6 +59,9 @@ def one_process() -> dict:
         figures[f"b{batch}_tok_s"] = batch * TOKENS / (time.perf_counter() - start)
         figures[f"b{batch}_rss_mb"] = process.memory_info().rss / 2**20
     figures["shared_mb"] = llm.engine.runner.compiled.shared_bytes / 2**20
+    from kvshare.eval.perf.common import folder_mb
+
+    figures["compile_cache_mb"] = folder_mb(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]))
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
 

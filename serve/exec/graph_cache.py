@@ -12,8 +12,9 @@ from their values, so a second model of the same shape would load the first one'
 with a :class:`WeightsKey` only (anything else unpicklable, and every other torch.compile in
 the process, keeps Inductor's rule), and :class:`WeightsKey` puts a digest of every frozen tensor's
 bytes into the key, through Inductor's documented extension point for it (a custom pass's
-``uuid``; the pass itself does nothing). An entry holds one packed copy of the weights
-(258 MB per SmolLM2 bfloat16 graph). The patch checks the internals it replaces and leaves
+``uuid``; the pass itself does nothing). The packed copy of the weights an entry would hold
+(258 MB per SmolLM2 bfloat16 graph, alike in every bucket) goes to :mod:`.constant_store`
+instead, once per content, and the entry names it. The patch checks the internals it replaces and leaves
 Inductor as it is where they differ (another torch): graphs then compile as before.
 """
 
@@ -26,6 +27,8 @@ import logging
 import sys
 
 import torch
+
+from .constant_store import stored_entry_constants
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,10 @@ def cache_frozen_graphs() -> bool:
     try:
         from torch._inductor import codecache, config
         from torch._inductor.freezing_utils import is_frozen_param
+        from torch._inductor.output_code import CompiledFxGraph
         validator, pickler = codecache.CacheabilityValidator, codecache.FxGraphCachePickler
         check_tensor, reduce_tensor, ident = validator.check_tensor, pickler._reduce_tensor, codecache._ident
+        prepare_for_serialization = CompiledFxGraph.prepare_for_serialization
     except (ImportError, AttributeError) as err:
         log.info("kvshare: Inductor's graph cache stays as it is (%s)", err)
         return False
@@ -92,8 +97,15 @@ def cache_frozen_graphs() -> bool:
             return ident, (("frozen mkldnn tensor", str(t.dtype), tuple(t.shape)),)
         return reduce_tensor(self, t)
 
+    def prepare(self) -> None:
+        # the large constants of our graphs' entries go to the store, once per content
+        prepare_for_serialization(self)
+        if self.constants and isinstance(config.post_grad_custom_post_pass, WeightsKey):
+            self.constants = stored_entry_constants(self.constants)
+
     validator.check_tensor = staticmethod(check)
     pickler._reduce_tensor = reduce
+    CompiledFxGraph.prepare_for_serialization = prepare
     return True
 
 

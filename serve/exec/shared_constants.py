@@ -53,7 +53,7 @@ def _fingerprint(t: torch.Tensor) -> tuple:
     return t.dtype, tuple(t.shape), t.stride(), t.device, hash(raw.numpy().tobytes())
 
 
-def _shareable(value: object) -> bool:
+def shareable(value: object) -> bool:
     return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.requires_grad
             and value.numel() * value.element_size() >= MIN_BYTES)
 
@@ -97,7 +97,7 @@ def _copies(modules: list[ModuleType]) -> tuple[list[torch.Tensor], dict[int, st
     copies, name, kept = [], {}, {}
     for module in modules:
         for key, value in vars(module).items():
-            if _shareable(value) and id(value) not in name:
+            if shareable(value) and id(value) not in name:
                 earlier = _earlier_equal(value)
                 if earlier is not None:
                     copies.append(value)
