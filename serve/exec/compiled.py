@@ -163,12 +163,12 @@ UNPACKED_INT8 = ("the compiled step takes int8 weights of bfloat16 models whose 
 
 def packs_float32(model: Model) -> bool:
     """Whether the float32 graphs multiply the projections by one oneDNN-packed copy of each
-    weight, made once per engine and shared by every graph: ``KVSHARE_CPU_GEMM=onednn``, the
-    memory-lean choice. Else Inductor's GEMM template packs each graph (bucket) a copy of its
-    own, which it needs for its speed below 16 rows. Measured on 2 AMD EPYC cores (AVX512-BF16),
-    SmolLM2-135M in float32, template against the oneDNN copy: 35 against 27 tok/s at 1 row, 93
-    against 60 at 4, 152 against 137 at 8, 153 against 213 at 16; peak RSS with the five buckets
-    7.1 GB against 2.1 GB (results/compiled-memory/)."""
+    weight, made once per engine: ``KVSHARE_CPU_GEMM=onednn``, the lowest peak while compiling.
+    Else Inductor's GEMM template packs the weights, one copy kept for every graph
+    (:mod:`.shared_constants`), which it needs for its speed below 16 rows. Measured on 2 AMD
+    EPYC cores (AVX512-BF16), SmolLM2-135M in float32, template against the oneDNN copy: 29
+    against 26 tok/s at 1 row, 92 against 66 at 4, 145 against 127 at 8, 193 against 200 at 16;
+    peak RSS with the five buckets 3.1 GB against 2.1 GB (results/compiled-memory/)."""
     return (model.dtype == torch.float32 and cpu_linear.gemm_choice() == "onednn"
             and torch.backends.mkldnn.is_available())
 
@@ -178,7 +178,7 @@ def gemm_options(model: Model) -> dict:
     which would put the template in the running and pack a copy anyway. Float32 on AVX-512: the
     template for every bucket, ATen's GEMM out of the running: autotuning picked ATen's
     MKL-packed GEMM at 16 rows, which packed that graph a 1.4 GB copy of SmolLM2's 0.4 GB of
-    projections and decoded slower end to end (145 against 188 tok/s, AMD EPYC AVX512-BF16,
+    projections and decoded slower end to end (140 against 193 tok/s, AMD EPYC AVX512-BF16,
     results/compiled-memory/); the template's copies are alike in every bucket, so they are
     kept once (:mod:`.shared_constants`). Elsewhere (AVX2 only, not measured) autotuning picks."""
     if packs_float32(model):
