@@ -54,6 +54,7 @@ def _fingerprint(t: torch.Tensor) -> tuple:
 
 
 def shareable(value: object) -> bool:
+    """A constant worth comparing: a plain tensor of at least :data:`MIN_BYTES`, not trained."""
     return (isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.requires_grad
             and value.numel() * value.element_size() >= MIN_BYTES)
 
