@@ -11,7 +11,6 @@ from the cache reads the file; graphs loaded in one process get the same tensor.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import weakref
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ...errors import KvshareError
 from . import shared_constants
+from .graph_cache import weights_digest
 
 _loaded: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
@@ -50,17 +50,10 @@ class StoredConstant:
         return load_constant, (self.digest,)
 
 
-def _digest(t: torch.Tensor) -> str:
-    h = hashlib.blake2b(digest_size=20)
-    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
 def store_constant(t: torch.Tensor) -> StoredConstant:
     """Write ``t`` to the store unless its bytes are there already (whole files only: written
     aside, then renamed)."""
-    digest = _digest(t)
+    digest = weights_digest([("constant", t)])
     path = store_folder() / f"{digest}.safetensors"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

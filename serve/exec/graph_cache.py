@@ -28,8 +28,6 @@ import sys
 
 import torch
 
-from .constant_store import stored_entry_constants
-
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +73,7 @@ def cache_frozen_graphs() -> bool:
         validator, pickler = codecache.CacheabilityValidator, codecache.FxGraphCachePickler
         check_tensor, reduce_tensor, ident = validator.check_tensor, pickler._reduce_tensor, codecache._ident
         prepare_for_serialization = CompiledFxGraph.prepare_for_serialization
+        from .constant_store import stored_entry_constants  # (it digests with weights_digest, from here)
     except (ImportError, AttributeError) as err:
         log.info("kvshare: Inductor's graph cache stays as it is (%s)", err)
         return False
