@@ -15,6 +15,7 @@ import torch
 from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
 from .attention import paged_attention_ref, write_kv_ref
 from .cpu import paged_attention_cpu
+from .cpu.residual import residual_attention_cpu
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
 from .quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
@@ -31,6 +32,7 @@ _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("residual_attention", "torch"): residual_attention_sdpa,  # ForkKV; the block loop is its oracle
     # C++, built on first use; the reference where it cannot be built or the tensors are not on the CPU
     ("paged_attention", "cpu"): paged_attention_cpu,
+    ("residual_attention", "cpu"): residual_attention_cpu,  # ForkKV's decode rows
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear

@@ -200,7 +200,8 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
                             k_res_cache: torch.Tensor, v_res_cache: torch.Tensor, b_k: torch.Tensor,
                             b_v: torch.Tensor, lora_scales: torch.Tensor, rope_cos: torch.Tensor,
                             rope_sin: torch.Tensor, meta: AttentionMetadata, residual: ResidualMetadata,
-                            scale: float) -> torch.Tensor:
+                            scale: float, seqs: list[int] | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`residual_attention_ref`'s result through SDPA, one call per sequence (the
     engine's torch path; the block loop is the oracle and the Triton kernel's shape).
 
@@ -213,19 +214,48 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     :func:`~kvshare.kernels.attention.paged_attention_ref` does): in bfloat16, rounding the
     delta, its scale and each RoPE term apart would add errors the Triton kernel (float32
     inside) does not make.
+
+    ``seqs``: compute only these sequences (their keys rebuilt one sequence at a time) and
+    write their rows of ``out``; the C++ kernel takes the others (:mod:`kvshare.kernels.cpu`).
     """
-    n_q, d = q.shape[1], q.shape[2]
-    n_kv = k_base_cache.shape[2]
+    n_q, n_kv = q.shape[1], k_base_cache.shape[2]
     if n_q % n_kv:
         raise ValueError(f"{n_q} query heads do not share {n_kv} KV heads evenly")
-    wide = torch.promote_types(q.dtype, torch.float32)
-    # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
-    r_k_all = gather_slots(k_res_cache, residual.key_slots).to(wide)
-    r_v_all = gather_slots(v_res_cache, residual.key_slots).to(wide)
-    k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=wide, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    pools = (k_base_cache, v_base_cache, k_res_cache, v_res_cache)
+    offsets = [0]
+    for length in meta.seq_context:
+        offsets.append(offsets[-1] + length)
+    if seqs is None:  # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
+        keys, values = _rebuild(pools, b_k, b_v, lora_scales, rope_cos, rope_sin, meta.key_slots,
+                                residual.key_slots, residual.key_positions, residual.key_groups, q.dtype)
+    for s in range(len(meta.seq_context)) if seqs is None else seqs:
+        window = slice(offsets[s], offsets[s + 1])
+        if seqs is None:
+            _attend_sequence(q, keys[window], values[window], meta, s, scale, out)
+            continue
+        positions = torch.arange(offsets[s + 1] - offsets[s], device=q.device)
+        one = _rebuild(pools, b_k, b_v, lora_scales, rope_cos, rope_sin, meta.key_slots[window],
+                       residual.key_slots[window], positions, [(residual.host_adapter[s], None)], q.dtype)
+        _attend_sequence(q, *one, meta, s, scale, out)
+    return out
+
+
+def _rebuild(pools: tuple[torch.Tensor, ...], b_k: torch.Tensor, b_v: torch.Tensor, lora_scales: torch.Tensor,
+             rope_cos: torch.Tensor, rope_sin: torch.Tensor, base_slots: torch.Tensor, res_slots: torch.Tensor,
+             positions: torch.Tensor, groups: list[tuple[int, torch.Tensor | None]],
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (keys, kv_heads, d) K and V of the keys at ``base_slots``/``res_slots`` (at
+    ``positions``), in ``dtype``; ``groups``: (adapter, its keys; None = all keys)."""
+    k_base_cache, v_base_cache, k_res_cache, v_res_cache = pools
+    n_kv, d = k_base_cache.shape[2:]
+    wide = torch.promote_types(dtype, torch.float32)
+    r_k_all = gather_slots(k_res_cache, res_slots).to(wide)
+    r_v_all = gather_slots(v_res_cache, res_slots).to(wide)
+    k_delta = torch.empty(len(r_k_all), n_kv * d, dtype=wide, device=r_k_all.device)
     v_delta = torch.empty_like(k_delta)
     scales = lora_scales.tolist()
-    for adapter, keys in residual.key_groups:
+    for adapter, keys in groups:
         b_k_a, b_v_a = b_k[adapter].to(wide).T * scales[adapter], b_v[adapter].to(wide).T * scales[adapter]
         if keys is None:
             torch.matmul(r_k_all, b_k_a, out=k_delta)
@@ -233,24 +263,22 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
         else:
             k_delta.index_copy_(0, keys, r_k_all.index_select(0, keys) @ b_k_a)
             v_delta.index_copy_(0, keys, r_v_all.index_select(0, keys) @ b_v_a)
-    positions = residual.key_positions
     k_delta = apply_rope(k_delta.view(-1, n_kv, d), rope_cos.to(wide).index_select(0, positions),
                          rope_sin.to(wide).index_select(0, positions))
-    keys_all = (gather_slots(k_base_cache, meta.key_slots).to(wide) + k_delta).to(q.dtype)
-    values_all = (gather_slots(v_base_cache, meta.key_slots).to(wide) + v_delta.view(-1, n_kv, d)).to(q.dtype)
-    out = torch.empty_like(q)
-    offset = 0
-    for (start, end), length, causal, all_last in zip(meta.seq_bounds, meta.seq_context, meta.seq_causal,
-                                                      meta.seq_all_last):
-        window = slice(offset, offset + length)
-        offset += length
-        mask = None
-        if not causal and not all_last:
-            positions = meta.positions[start:end]
-            mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]
-        attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None],
-                                              keys_all[window].transpose(0, 1)[None],
-                                              values_all[window].transpose(0, 1)[None], attn_mask=mask,
-                                              scale=scale, is_causal=causal, enable_gqa=n_q != n_kv)
-        out[start:end] = attn[0].transpose(0, 1)
-    return out
+    keys_all = (gather_slots(k_base_cache, base_slots).to(wide) + k_delta).to(dtype)
+    values_all = (gather_slots(v_base_cache, base_slots).to(wide) + v_delta.view(-1, n_kv, d)).to(dtype)
+    return keys_all, values_all
+
+
+def _attend_sequence(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata, s: int,
+                     scale: float, out: torch.Tensor) -> None:
+    """SDPA of sequence s's rows over its dense (keys, kv_heads, d) K and V, into ``out``."""
+    start, end = meta.seq_bounds[s]
+    mask = None
+    if not meta.seq_causal[s] and not meta.seq_all_last[s]:
+        positions = meta.positions[start:end]
+        mask = (torch.arange(len(keys), device=q.device)[None, :] <= positions[:, None])[None, None]
+    attn = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                          values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                          is_causal=meta.seq_causal[s], enable_gqa=q.shape[1] != keys.shape[1])
+    out[start:end] = attn[0].transpose(0, 1)

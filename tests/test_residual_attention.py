@@ -38,14 +38,14 @@ SCENARIOS = {
 }
 
 
-def rope_tables(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(device: str = "cpu", head_dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions 0..MAX_POSITIONS-1 from the engine's own RoPE class (transformers')."""
     from transformers import LlamaConfig
 
     from kvshare.families import rotary_for
 
-    config = LlamaConfig(hidden_size=2 * HEAD_DIM, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rope_theta=100.0)
+    config = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=head_dim, max_position_embeddings=MAX_POSITIONS, rope_theta=100.0)
     positions = torch.arange(MAX_POSITIONS)[None]
     cos, sin = rotary_for("llama", config)(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0].to(device), sin[0].to(device)
@@ -76,7 +76,7 @@ def forkkv_batch(gen, sequences, base_block_size=4, res_block_size=3, share_pref
     return base_tables, res_tables, row_seq, positions, slots
 
 
-def make_case(seed, sequences, n_q, n_kv, rank, device="cpu", share_prefix=True):
+def make_case(seed, sequences, n_q, n_kv, rank, device="cpu", share_prefix=True, head_dim=HEAD_DIM):
     """A batch over random pools; sequences alternate between two adapters (the second of a
     smaller rank, zero-padded to the pool's r, as stacked adapters are)."""
     gen = torch.Generator().manual_seed(seed)
@@ -84,16 +84,16 @@ def make_case(seed, sequences, n_q, n_kv, rank, device="cpu", share_prefix=True)
     meta = build_attention_metadata(row_seq, positions, slots, base_tables, 4, device=device)
     adapters = [s % 2 for s in range(len(sequences))]
     residual = build_residual_metadata(meta, res_tables, 3, adapters, device=device)
-    width = n_kv * HEAD_DIM
+    width = n_kv * head_dim
     b_k = torch.randn(2, width, rank, generator=gen)
     b_v = torch.randn(2, width, rank, generator=gen)
     b_k[1, :, max(1, rank // 2):] = 0
     b_v[1, :, max(1, rank // 2):] = 0
-    cos, sin = rope_tables()
+    cos, sin = rope_tables(head_dim=head_dim)
     tensors = {
-        "q": torch.randn(len(row_seq), n_q, HEAD_DIM, generator=gen),
-        "k_base_cache": torch.randn(64, 4, n_kv, HEAD_DIM, generator=gen),
-        "v_base_cache": torch.randn(64, 4, n_kv, HEAD_DIM, generator=gen),
+        "q": torch.randn(len(row_seq), n_q, head_dim, generator=gen),
+        "k_base_cache": torch.randn(64, 4, n_kv, head_dim, generator=gen),
+        "v_base_cache": torch.randn(64, 4, n_kv, head_dim, generator=gen),
         "k_res_cache": torch.randn(96, 3, rank, generator=gen),
         "v_res_cache": torch.randn(96, 3, rank, generator=gen),
         "b_k": b_k, "b_v": b_v, "lora_scales": torch.tensor([0.7, 1.9]),
@@ -219,6 +219,51 @@ def test_registered_for_every_engine_and_checked_inputs():
         build_residual_metadata(meta, [[0, 1]], 3, [0])
     with pytest.raises(ValueError, match="one residual block table"):
         build_residual_metadata(meta, [[0, 1, 2, 3]], 3, [0, 1])
+
+
+CPU_SCENARIOS = SCENARIOS | {  # a 20-row prompt chunk (SDPA in the cpu backend) beside decode rows (C++)
+    "chunk-and-decode": [(0, list(range(20))), (9, [9]), (30, [30]), (2, list(range(2, 8)))]}
+
+
+def cpu_kernels() -> Kernels:
+    from kvshare.kernels import cpu
+
+    assert cpu.available()  # else the backend serves the torch path and compares it with itself
+    return Kernels("cpu")
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("n_q,n_kv,rank", [(2, 2, 1), (6, 2, 8), (4, 1, 8)], ids=["gqa1-r1", "gqa3-r8", "gqa4-r8"])
+@pytest.mark.parametrize("scenario", list(CPU_SCENARIOS))
+def test_cpu_kernel_equals_the_reference(scenario, n_q, n_kv, rank, head_dim):
+    """The C++ kernel (decode rows, keys rebuilt where read) and SDPA (prompt chunks) in one call."""
+    seed = list(CPU_SCENARIOS).index(scenario) + 3 * n_q + rank
+    case, meta, residual = make_case(seed, CPU_SCENARIOS[scenario], n_q, n_kv, rank, head_dim=head_dim)
+    want = residual_attention_ref(**case, meta=meta, residual=residual, scale=0.4)
+    got = cpu_kernels().residual_attention(**case, meta=meta, residual=residual, scale=0.4)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_in_bfloat16():
+    """bfloat16 pools: float math inside; as close to float32 math as the torch path is."""
+    case, meta, residual = make_case(4, CPU_SCENARIOS["chunk-and-decode"], 6, 2, 8, head_dim=64)
+    low = {name: t.to(torch.bfloat16) if name != "lora_scales" else t for name, t in case.items()}
+    got = cpu_kernels().residual_attention(**low, meta=meta, residual=residual, scale=0.4)
+    assert got.dtype == torch.bfloat16
+    exact = residual_attention_ref(**{name: t.float() for name, t in low.items()}, meta=meta, residual=residual,
+                                   scale=0.4)
+    torch_path = residual_attention_sdpa(**low, meta=meta, residual=residual, scale=0.4)
+    assert (got.float() - exact).abs().mean() <= (torch_path.float() - exact).abs().mean() + 1e-3
+
+
+def test_the_torch_path_computes_only_the_sequences_asked():
+    case, meta, residual = make_case(2, SCENARIOS["mixed"], 6, 2, 8)
+    want = residual_attention_sdpa(**case, meta=meta, residual=residual, scale=0.4)
+    out = torch.full_like(want, 7.0)
+    residual_attention_sdpa(**case, meta=meta, residual=residual, scale=0.4, seqs=[0, 3], out=out)
+    for s, (start, end) in enumerate(meta.seq_bounds):
+        torch.testing.assert_close(out[start:end], want[start:end] if s in (0, 3) else torch.full_like(
+            want[start:end], 7.0), atol=1e-6, rtol=1e-6)
 
 
 def triton_kernels():

@@ -24,7 +24,8 @@ The compiled CPU step calls the kernel through the torch op ``kvshare::step_atte
 weights for prompt chunks (:file:`int4_dequant.cpp`, used by :func:`kvshare.kernels.quant.int4_linear`)
 and multiplies bfloat16 decode rows by weights in AVX512-BF16 dot products (:file:`linear_vnni.cpp`, the ops
 ``kvshare::linear_vnni`` and ``kvshare::linear_vnni_lora``, which adds each row's LoRA delta from
-the slot stacks in the same pass; :mod:`.linear`).
+the slot stacks in the same pass; :mod:`.linear`), and runs ForkKV's residual attention for decode
+rows, rebuilding each key where it reads it (:file:`residual_attention.cpp`, :mod:`.residual`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "step_attention.cpp", "int4_dequant.cpp",
-                                                   "linear_vnni.cpp", "bindings.cpp")]
+                                                   "linear_vnni.cpp", "residual_attention.cpp", "bindings.cpp")]
 _lock = threading.Lock()  # held by the one build or load
 _built: list = []  # [module or None] once tried
 _start_lock = threading.Lock()

@@ -15,6 +15,11 @@ void step_attention_begin(torch::Tensor kv_cache, torch::Tensor write_rows, torc
                           torch::Tensor tables, torch::Tensor starts, torch::Tensor row_lens, torch::Tensor seqs,
                           double scale, int64_t rows);
 void step_attention_end();
+void residual_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_res,
+                        torch::Tensor v_res, torch::Tensor b_k, torch::Tensor b_v, torch::Tensor lora_scales,
+                        torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor tables, torch::Tensor res_tables,
+                        torch::Tensor starts, torch::Tensor row_lens, torch::Tensor seq_adapter, torch::Tensor seqs,
+                        double scale, torch::Tensor out);
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_set_dpbf16", &paged_attention_set_dpbf16);
   m.def("step_attention_begin", &step_attention_begin);
   m.def("step_attention_end", &step_attention_end);
+  m.def("residual_attention", &residual_attention);
   m.def("int4_expand", &int4_expand);
   m.def("linear_vnni_available", &linear_vnni_available);
   m.def("linear_vnni_pack", &linear_vnni_pack);
