@@ -61,11 +61,12 @@ void load_head_weights(const float* b_k, const float* b_v, float s, int64_t h, i
     for (int64_t i = 0; i < d; ++i) w.bk_rot[c][i] = i < half ? -w.bk[c][i + half] : w.bk[c][i - half];
 }
 
-// Key t of one KV head, rebuilt in ``row``: K_base + cos * (s B_k r_k) + sin * (rotate_half(s B_k) r_k)
-template <typename T, int D>
+// Key t of one KV head, rebuilt in ``row``: K_base + cos * (s B_k r_k) + sin * (rotate_half(s B_k) r_k).
+// D and R compile-time where known: both sums then stay in registers over an unrolled rank loop.
+template <typename T, int D, int R>
 inline void rebuild_key(const T* base_row, const T* res_row, const float* cos, const float* sin, const HeadWeights& w,
-                        int64_t runtime_d, int64_t r, float* row) {
-  const int64_t d = D ? D : runtime_d;
+                        int64_t runtime_d, int64_t runtime_r, float* row) {
+  const int64_t d = D ? D : runtime_d, r = R ? R : runtime_r;
   alignas(64) float delta[D ? D : kMaxD], rot[D ? D : kMaxD];
   std::fill(delta, delta + d, 0.f);
   std::fill(rot, rot + d, 0.f);
@@ -93,12 +94,12 @@ struct Call {
 };
 
 // Every query vector of one sequence's KV head (rows x the query heads sharing it), kGroup at a time
-template <typename T, int D>
+template <typename T, int D, int R>
 void attend_task(const Call& call, const T* q, int64_t q_row, int64_t q_head, const Paged<T>& kb, const Paged<T>& vb,
                  const Paged<T>& kr, const Paged<T>& vr, const float* cos_table, const float* sin_table,
                  const HeadWeights& w, int64_t first_row, int64_t rows, const int32_t* row_lens, int64_t h, T* out,
                  int64_t out_row, int64_t out_head, std::vector<float>& scores) {
-  const int64_t d = D ? D : call.d, r = call.r, ratio = call.ratio, vectors = rows * ratio;
+  const int64_t d = D ? D : call.d, r = R ? R : call.r, ratio = call.ratio, vectors = rows * ratio;
   alignas(64) float qf[kGroup * (D ? D : kMaxD)], acc[kGroup * (D ? D : kMaxD)], acc_res[kGroup * kMaxRank];
   alignas(64) float row[D ? D : kMaxD];
   const int64_t kh = h * d;  // this head's offset in a base row of the pool
@@ -115,7 +116,7 @@ void attend_task(const Call& call, const T* q, int64_t q_row, int64_t q_head, co
     if (static_cast<int64_t>(scores.size()) < g * longest) scores.resize(g * longest);
     float* sc = scores.data();
     for (int64_t t = 0; t < longest; ++t) {  // scores against each rebuilt key
-      rebuild_key<T, D>(kb.row(t) + kh, kr.row(t), cos_table + t * d, sin_table + t * d, w, d, r, row);
+      rebuild_key<T, D, R>(kb.row(t) + kh, kr.row(t), cos_table + t * d, sin_table + t * d, w, d, r, row);
       for (int64_t j = 0; j < g; ++j) {
         const float* qj = qf + j * d;
         float dot = 0.f;
@@ -164,6 +165,21 @@ void attend_task(const Call& call, const T* q, int64_t q_row, int64_t q_head, co
 }
 
 template <typename T>
+using TaskFn = void (*)(const Call&, const T*, int64_t, int64_t, const Paged<T>&, const Paged<T>&, const Paged<T>&,
+                        const Paged<T>&, const float*, const float*, const HeadWeights&, int64_t, int64_t,
+                        const int32_t*, int64_t, T*, int64_t, int64_t, std::vector<float>&);
+
+template <typename T, int D>
+TaskFn<T> task_fn_for_rank(int64_t r) {
+  return r == 8 ? attend_task<T, D, 8> : r == 16 ? attend_task<T, D, 16> : attend_task<T, D, 0>;
+}
+
+template <typename T>
+TaskFn<T> task_fn(int64_t d, int64_t r) {
+  return d == 64 ? task_fn_for_rank<T, 64>(r) : d == 128 ? task_fn_for_rank<T, 128>(r) : task_fn_for_rank<T, 0>(r);
+}
+
+template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& k_res, const torch::Tensor& v_res, const torch::Tensor& b_k, const torch::Tensor& b_v,
          const torch::Tensor& lora_scales, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
@@ -192,6 +208,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     return Paged<T>{cache.data_ptr<T>(), tables.data_ptr<int32_t>() + s * tables.size(1), cache.size(1),
                     cache.stride(0), cache.stride(1)};
   };
+  const TaskFn<T> fn = task_fn<T>(call.d, call.r);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
@@ -200,7 +217,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       const Task& task = tasks[i];
       const int64_t s = task.seq, a = ap[s];
       load_head_weights(bkp + a * b_stride, bvp + a * b_stride, scp[a], task.kv_head, call.d, call.r, *weights);
-      auto fn = call.d == 64 ? attend_task<T, 64> : call.d == 128 ? attend_task<T, 128> : attend_task<T, 0>;
       fn(call, q.data_ptr<T>(), q.stride(0), q.stride(1), paged(k_cache, tables, s), paged(v_cache, tables, s),
          paged(k_res, res_tables, s), paged(v_res, res_tables, s), rope_cos.data_ptr<float>(),
          rope_sin.data_ptr<float>(), *weights, sp[s], sp[s + 1] - sp[s], lp, task.kv_head, out.data_ptr<T>(),
