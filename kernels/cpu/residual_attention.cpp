@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -24,15 +23,6 @@ namespace {
 
 constexpr int64_t kGroup = 8;  // query vectors per pass over the keys
 constexpr int64_t kMaxD = 256, kMaxRank = 64;
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float as_float(c10::Half x) { return static_cast<float>(x); }
 
 // Where a sequence's key t lies in a paged pool: (block table, block size, strides in elements)
 template <typename T>
@@ -71,7 +61,7 @@ inline void rebuild_key(const T* base_row, const T* res_row, const float* cos, c
   std::fill(delta, delta + d, 0.f);
   std::fill(rot, rot + d, 0.f);
   for (int64_t c = 0; c < r; ++c) {
-    const float rc = as_float(res_row[c]);
+    const float rc = static_cast<float>(res_row[c]);
     const float* col = w.bk[c];
     const float* col_rot = w.bk_rot[c];
 #pragma omp simd
@@ -81,7 +71,7 @@ inline void rebuild_key(const T* base_row, const T* res_row, const float* cos, c
     }
   }
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) row[i] = as_float(base_row[i]) + delta[i] * cos[i] + rot[i] * sin[i];
+  for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(base_row[i]) + delta[i] * cos[i] + rot[i] * sin[i];
 }
 
 struct Task {
@@ -111,7 +101,7 @@ void attend_task(const Call& call, const T* q, int64_t q_row, int64_t q_head, co
       lens[j] = row_lens[rr];
       longest = std::max(longest, lens[j]);
       const T* src = q + rr * q_row + qh * q_head;
-      for (int64_t i = 0; i < d; ++i) qf[j * d + i] = as_float(src[i]) * call.scale;
+      for (int64_t i = 0; i < d; ++i) qf[j * d + i] = static_cast<float>(src[i]) * call.scale;
     }
     if (static_cast<int64_t>(scores.size()) < g * longest) scores.resize(g * longest);
     float* sc = scores.data();
@@ -139,13 +129,13 @@ void attend_task(const Call& call, const T* q, int64_t q_row, int64_t q_head, co
     for (int64_t t = 0; t < longest; ++t) {  // P V_base and P R_v, apart
       const T* v = vb.row(t) + kh;
       const T* rv = vr.row(t);
-      for (int64_t i = 0; i < d; ++i) row[i] = as_float(v[i]);
+      for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(v[i]);
       for (int64_t j = 0; j < g; ++j) {
         const float p = sc[j * longest + t];
         float* aj = acc + j * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) aj[i] += p * row[i];
-        for (int64_t c = 0; c < r; ++c) acc_res[j * r + c] += p * as_float(rv[c]);
+        for (int64_t c = 0; c < r; ++c) acc_res[j * r + c] += p * static_cast<float>(rv[c]);
       }
     }
     for (int64_t j = 0; j < g; ++j) {  // + (P R_v) s B_v, then the softmax's division
