@@ -91,6 +91,24 @@ def test_a_short_job_leaves_no_build_running_behind_it(tmp_path):
         time.sleep(0.1)
 
 
+def test_a_build_the_thread_starts_after_the_exit_handler_never_runs(monkeypatch):
+    """A job exiting right after it asked for the kernels: the exit handler may run before the
+    background thread starts the build. Such a build ran to its end (over a minute) holding the
+    job's stdout and stderr, and a parent reading them waited for it."""
+    monkeypatch.setattr(cpu, "_built", [])
+    monkeypatch.setattr(cpu, "_background", [])
+    monkeypatch.setattr(cpu, "_children", [])
+    monkeypatch.setattr(cpu, "_exiting", threading.Event())
+    monkeypatch.setattr(cpu, "_build_command", lambda: [sys.executable, "-c", "import time; time.sleep(600)"])
+    popen = subprocess.Popen
+    monkeypatch.setattr(cpu.subprocess, "Popen", lambda *a, **kw: (time.sleep(0.5), popen(*a, **kw))[1])
+    cpu._build_in_background()
+    cpu._stop_builds()  # as at exit, while the thread is on its way to start the build
+    cpu._background[0].join(timeout=30)
+    assert not cpu._background[0].is_alive()
+    assert all(child.poll() is not None for child in cpu._children)
+
+
 def test_a_build_on_disk_loads_at_once():
     """Where the extension is built already, a step waits the second it takes to load it rather
     than run the reference."""

@@ -59,6 +59,8 @@ _built: list = []  # [module or None] once tried
 _start_lock = threading.Lock()
 _background: list[threading.Thread] = []  # the background build's thread, once started
 _children: list[subprocess.Popen] = []  # its build process
+_children_lock = threading.Lock()  # held while a build starts, and while the exit handler stops them
+_exiting = threading.Event()  # set by the exit handler: no build starts after it
 
 
 def _cpu_digest() -> str:
@@ -119,8 +121,11 @@ def _build_apart() -> None:
     """The background build, in a child process of its own session, which :func:`_stop_builds`
     ends with this process: a short job leaves no compiler running behind it (ninja removes what
     it leaves half-made, and the next start builds again). A thread could not be stopped."""
-    child = subprocess.Popen(_build_command(), start_new_session=True, stdin=subprocess.DEVNULL)
-    _children.append(child)
+    with _children_lock:  # a thread that reaches this after the exit handler ran starts nothing:
+        if _exiting.is_set():  # else the build outlived a short job, holding its output pipes
+            return
+        child = subprocess.Popen(_build_command(), start_new_session=True, stdin=subprocess.DEVNULL)
+        _children.append(child)
     if child.wait() == 0:
         extension()  # on disk now: loads at once
         return
@@ -131,6 +136,8 @@ def _build_apart() -> None:
 
 @atexit.register
 def _stop_builds() -> None:
+    with _children_lock:
+        _exiting.set()
     for child in _children:
         if child.poll() is None:
             with contextlib.suppress(ProcessLookupError):
