@@ -229,11 +229,12 @@ def residual_attention_sdpa(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_
     if seqs is None:  # every sequence's keys and values rebuilt at once: one matmul per adapter, one RoPE
         keys, values = _rebuild(pools, b_k, b_v, lora_scales, rope_cos, rope_sin, meta.key_slots,
                                 residual.key_slots, residual.key_positions, residual.key_groups, q.dtype)
-    for s in range(len(meta.seq_context)) if seqs is None else seqs:
-        window = slice(offsets[s], offsets[s + 1])
-        if seqs is None:
+        for s in range(len(meta.seq_context)):
+            window = slice(offsets[s], offsets[s + 1])
             _attend_sequence(q, keys[window], values[window], meta, s, scale, out)
-            continue
+        return out
+    for s in seqs:
+        window = slice(offsets[s], offsets[s + 1])
         positions = torch.arange(offsets[s + 1] - offsets[s], device=q.device)
         one = _rebuild(pools, b_k, b_v, lora_scales, rope_cos, rope_sin, meta.key_slots[window],
                        residual.key_slots[window], positions, [(residual.host_adapter[s], None)], q.dtype)

@@ -16,17 +16,16 @@ from ..metadata import AttentionMetadata
 from ..residual_attention import ResidualMetadata, residual_attention_sdpa
 from . import Layout, extension
 
-_last: tuple = (None, None, None)  # (meta, residual, (layout, residual tables, adapters)): one per step
+_last: tuple = (None, None)  # (meta, its Layout): every layer of an eager step asks for the same
 
 
-def _step_layout(meta: AttentionMetadata, residual: ResidualMetadata):
+def _step_layout(meta: AttentionMetadata) -> Layout:
+    """A cache of its own beside paged_attention_cpu's: a ForkKV step beside exact rows asks both in
+    turn, for two metadata, in every layer."""
     global _last
     last = _last  # read once: engines stepped from two threads each replace it
-    if last[0] is meta and last[1] is residual:
-        return last[2]
-    layout = (Layout(meta), residual.block_tables.to(torch.int32).contiguous(),
-              residual.seq_adapter.to(torch.int32).contiguous())
-    _last = (meta, residual, layout)
+    layout = last[1] if last[0] is meta else Layout(meta)
+    _last = (meta, layout)
     return layout
 
 
@@ -46,13 +45,13 @@ def residual_attention_cpu(q: torch.Tensor, k_base_cache: torch.Tensor, v_base_c
     same = all(t.dtype == q.dtype for t in (k_base_cache, v_base_cache, k_res_cache, v_res_cache))
     if q.device.type != "cpu" or not same or extension(wait=False) is None:
         return residual_attention_sdpa(*args)
-    layout, res_tables, adapters = _step_layout(meta, residual)
+    layout = _step_layout(meta)
     out = torch.empty_like(q)
-    if len(layout.seqs):
+    if len(layout.seqs):  # the residual tables and adapters are int32 already (build_residual_metadata)
         extension().residual_attention(q, k_base_cache, v_base_cache, k_res_cache, v_res_cache, _float32(b_k),
                                        _float32(b_v), _float32(lora_scales), _float32(rope_cos), _float32(rope_sin),
-                                       layout.tables, res_tables, layout.starts, layout.row_lens, adapters,
-                                       layout.seqs, scale, out)
+                                       layout.tables, residual.block_tables, layout.starts, layout.row_lens,
+                                       residual.seq_adapter, layout.seqs, scale, out)
     if layout.large:
         residual_attention_sdpa(*args, seqs=layout.large, out=out)
     return out

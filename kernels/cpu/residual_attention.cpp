@@ -202,7 +202,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    auto weights = std::make_unique<HeadWeights>();
+    std::unique_ptr<HeadWeights> weights(new HeadWeights);  // not zeroed: each task fills what it reads
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& task = tasks[i];
       const int64_t s = task.seq, a = ap[s];
