@@ -65,3 +65,34 @@ def test_abandon_leaves_an_idle_worker_at_once():
     start = time.monotonic()
     assert worker.abandon(timeout=10)
     assert time.monotonic() - start < 1
+
+
+def test_an_abandon_landing_in_a_weakref_callback_is_not_printed(monkeypatch):
+    """The exception can land inside a finaliser or weakref callback, where Python prints it as
+    "Exception ignored in ..." and carries on: abandon() keeps that quiet and raises it again."""
+    import weakref
+
+    worker, running = CompileWorker(), threading.Event()
+
+    class Thing:
+        pass
+
+    def spin(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    def build():
+        thing = Thing()
+        keep = weakref.ref(thing, lambda _: spin(2.0))  # noqa: F841
+        running.set()
+        del thing  # the callback runs here, on this thread, and the first exceptions land in it
+        spin(60.0)
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reported.append(unraisable.exc_type))
+    assert worker.submit("callbacks", build)
+    assert running.wait(10)
+    assert worker.abandon(timeout=20)
+    assert reported == []
+    assert worker.pending() == 0

@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Callable
@@ -116,11 +117,24 @@ class CompileWorker:
             thread = self._thread if self._building else None
         if thread is None or thread.ident is None:
             return True
-        deadline = time.monotonic() + timeout
-        while self._building and thread.is_alive() and time.monotonic() < deadline:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Abandoned))
-            thread.join(0.5)
+        deadline, hook = time.monotonic() + timeout, sys.unraisablehook
+        sys.unraisablehook = _quiet_about_abandoned(hook)  # one landing in a weakref callback is only ignored
+        try:
+            while self._building and thread.is_alive() and time.monotonic() < deadline:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Abandoned))
+                thread.join(0.5)
+        finally:
+            sys.unraisablehook = hook
         return not (self._building and thread.is_alive())
+
+
+def _quiet_about_abandoned(hook: Callable) -> Callable:
+    """``hook`` for every unraisable exception but :class:`Abandoned` (printed as "Exception
+    ignored in ..." with a traceback where it interrupts a finaliser or callback)."""
+    def quiet(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Abandoned):
+            hook(unraisable)
+    return quiet
 
 
 _worker: CompileWorker | None = None
