@@ -241,7 +241,9 @@ def test_cpu_kernel_equals_the_reference(scenario, n_q, n_kv, rank, head_dim):
     case, meta, residual = make_case(seed, CPU_SCENARIOS[scenario], n_q, n_kv, rank, head_dim=head_dim)
     want = residual_attention_ref(**case, meta=meta, residual=residual, scale=0.4)
     got = cpu_kernels().residual_attention(**case, meta=meta, residual=residual, scale=0.4)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # float32 sums in another order: outputs reach ~18 here, so the absolute slack scales with
+    # them (an AMX Xeon's build differed from the reference by up to 5.9e-5 where AMD's passed 2e-5)
+    torch.testing.assert_close(got, want, atol=max(2e-5, 1e-5 * want.abs().max().item()), rtol=1e-5)
 
 
 def test_cpu_kernel_in_bfloat16():
