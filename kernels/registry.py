@@ -15,24 +15,29 @@ import torch
 from kvshare.errors import KvshareError  # absolute: transformers imports a top-level "kernels" from the cwd
 from .attention import paged_attention_ref, write_kv_ref
 from .cpu import paged_attention_cpu
+from .cpu.pointwise import CpuPointwise
 from .cpu.residual import residual_attention_cpu
 from .linear import OneDNNLinear, TorchLinear
 from .lora import gathered_lora_ref
+from .pointwise import TorchPointwise
 from .quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from .residual_attention import residual_attention_sdpa
 
-OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention")
+OPERATIONS = ("paged_attention", "write_kv", "gathered_lora", "linear", "residual_attention", "pointwise")
 
-# "linear" implementations are objects with prepare(weight) (once, at load) and apply(x, w, b)
+# "linear" implementations are objects with prepare(weight) (once, at load) and apply(x, w, b);
+# "pointwise" ones have the eager step's rms_norm, add_rms_norm, rope and silu_mul (kernels/pointwise.py)
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {
     ("paged_attention", "torch"): paged_attention_ref,
     ("write_kv", "torch"): write_kv_ref,
     ("gathered_lora", "torch"): gathered_lora_ref,
     ("linear", "torch"): TorchLinear,
     ("residual_attention", "torch"): residual_attention_sdpa,  # ForkKV; the block loop is its oracle
+    ("pointwise", "torch"): TorchPointwise,
     # C++, built on first use; the reference where it cannot be built or the tensors are not on the CPU
     ("paged_attention", "cpu"): paged_attention_cpu,
     ("residual_attention", "cpu"): residual_attention_cpu,  # ForkKV's decode rows
+    ("pointwise", "cpu"): CpuPointwise,  # the eager step's norms, RoPE and SiLU(gate) * up, fused
 }
 if OneDNNLinear.available():
     _IMPLEMENTATIONS[("linear", "onednn")] = OneDNNLinear
@@ -122,3 +127,4 @@ class Kernels:
         self.gathered_lora = _IMPLEMENTATIONS[("gathered_lora", choice["gathered_lora"])]
         self.linear = _IMPLEMENTATIONS[("linear", choice["linear"])]
         self.residual_attention = _IMPLEMENTATIONS[("residual_attention", choice["residual_attention"])]
+        self.pointwise = _IMPLEMENTATIONS[("pointwise", choice["pointwise"])]

@@ -131,7 +131,7 @@ def test_each_engine_uses_its_own_kernels(tiny_models):
     plain = LLM(base, kv_cache_tokens=256, block_size=4)
     assert counted.engine.runner.kernels.choice == {"paged_attention": "counting-test", "write_kv": "torch",
                                                     "gathered_lora": "torch", "linear": "torch",
-                                                    "residual_attention": "torch"}
+                                                    "residual_attention": "torch", "pointwise": "torch"}
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     want = plain.generate([[5, 6, 7]], params)[0].token_ids
     assert not calls

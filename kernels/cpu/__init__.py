@@ -26,6 +26,7 @@ and multiplies bfloat16 decode rows by weights in AVX512-BF16 dot products (:fil
 ``kvshare::linear_vnni`` and ``kvshare::linear_vnni_lora``, which adds each row's LoRA delta from
 the slot stacks in the same pass; :mod:`.linear`), and runs ForkKV's residual attention for decode
 rows, rebuilding each key where it reads it (:file:`residual_attention.cpp`, :mod:`.residual`).
+The eager step's norms, RoPE and SiLU(gate) * up run fused (:file:`pointwise.cpp`, :mod:`.pointwise`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 
 FEW_ROWS = 16  # a sequence with more rows in a step is a prompt chunk: matrix units (tiles, dot products, SDPA) win
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "step_attention.cpp", "int4_dequant.cpp",
-                                                   "linear_vnni.cpp", "residual_attention.cpp", "bindings.cpp")]
+                                                   "linear_vnni.cpp", "residual_attention.cpp", "pointwise.cpp",
+                                                   "bindings.cpp")]
 _lock = threading.Lock()  # held by the one build or load
 _built: list = []  # [module or None] once tried
 _start_lock = threading.Lock()

@@ -20,6 +20,12 @@ void residual_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
                         torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor tables, torch::Tensor res_tables,
                         torch::Tensor starts, torch::Tensor row_lens, torch::Tensor seq_adapter, torch::Tensor seqs,
                         double scale, torch::Tensor out);
+torch::Tensor pointwise_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> pointwise_add_rms_norm(torch::Tensor h, torch::Tensor delta,
+                                                                torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> pointwise_rope(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                                        torch::Tensor sin);
+torch::Tensor pointwise_silu_mul(torch::Tensor gate_up, int64_t inter);
 torch::Tensor int4_expand(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group, int64_t block_n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -33,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_attention_end", &step_attention_end);
   m.def("residual_attention", &residual_attention);
   m.def("int4_expand", &int4_expand);
+  m.def("pointwise_rms_norm", &pointwise_rms_norm);
+  m.def("pointwise_add_rms_norm", &pointwise_add_rms_norm);
+  m.def("pointwise_rope", &pointwise_rope);
+  m.def("pointwise_silu_mul", &pointwise_silu_mul);
   m.def("linear_vnni_available", &linear_vnni_available);
   m.def("linear_vnni_pack", &linear_vnni_pack);
 }

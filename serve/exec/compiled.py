@@ -59,7 +59,8 @@ from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .fresh_stack import call_in_fresh_chunk
 from .graph_cache import WeightsKey, cache_frozen_graphs, weights_digest
 from .lora_slots import PARTS, lora_delta
-from .model import Model, _rms_norm
+from ...kernels.pointwise import TorchPointwise
+from .model import Model
 from .shared_constants import graph_modules, return_freed_memory, share_constants
 from .step_buckets import BucketedStep, StepUnavailable
 
@@ -288,7 +289,7 @@ class _Decoder(torch.nn.Module):
         op = torch.ops.kvshare.step_attention_cpu if len(tokens) <= self.native else torch.ops.kvshare.step_attention
         attend = lambda i, q, k, v, x: op(q, k, v, i)  # noqa: E731
         h = m.decoder(h, cos, sin, self._layers(), project, attend)
-        return _rms_norm(h, self.final_norm, m.eps)
+        return TorchPointwise.rms_norm(h, self.final_norm, m.eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *lora: torch.Tensor) -> torch.Tensor:
         """``lora`` (the graph with adapters): each row's slot and scale, then the slot stacks

@@ -39,7 +39,8 @@ from .batch import Batch
 from .compiled import resolve_mode
 from ..config import DEFAULT_COMPILE_MAX_ROWS
 from .lora_slots import PARTS
-from .model import Model, _rms_norm
+from ...kernels.pointwise import TorchPointwise
+from .model import Model
 from .step_buckets import BucketedStep, StepUnavailable
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class GraphedStep(BucketedStep):
                 return y
 
         h = m.decoder(h, cos, sin, m.layers, project, attend)
-        return _rms_norm(h, m.final_norm, m.eps)
+        return TorchPointwise.rms_norm(h, m.final_norm, m.eps)
 
     @torch.no_grad()
     def warm_up(self, kv_cache: torch.Tensor, sizes: tuple[int, ...] | None = None, adapted: bool = False,

@@ -16,23 +16,12 @@ import torch.nn.functional as F
 
 from ...errors import KvshareError
 from ...kernels import Kernels
+from ...kernels.pointwise import TorchPointwise
 from ...safetensors_io import load_tensors, model_weight_files
 from ...families import FAMILIES, rotary_for
 from ...models import refuse_what_the_engine_lacks
 from .batch import Batch
 from ..cache.layer_stream import LayerStream
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Model:
@@ -143,8 +132,8 @@ class Model:
             capture = None
             if self.hidden_capture is not None:
                 capture = lambda h: self.hidden_capture.append(h[batch.logit_rows].float())  # noqa: E731
-            h = self.decoder(h, cos, sin, self.layers, project, attend, capture)
-            logits = self.head(_rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
+            h = self.decoder(h, cos, sin, self.layers, project, attend, capture, kernels.pointwise)
+            logits = self.head(kernels.pointwise.rms_norm(h[batch.logit_rows], self.final_norm, self.eps))
         finally:  # also when the step fails: its blocks are freed (and may be lent) right after
             if stream is not None:
                 stream.finish()  # the last layer's write-back ran beside the head
@@ -160,31 +149,32 @@ class Model:
         return cos[0][:, None, :], sin[0][:, None, :]
 
     def decoder(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: list[dict], project,
-                attend, capture=None) -> torch.Tensor:
+                attend, capture=None, ops=TorchPointwise) -> torch.Tensor:
         """The decoder layers over rows ``h``: norms, fused projections, RoPE, MLP. The caller
         supplies the parts that touch the step's structure: ``attend(i, q, k, v, x)`` (write
         KV, attend) and ``project(i, fused, x, weight, bias)`` (a fused projection with the
         rows' LoRA deltas), so the eager forward and the compiled CPU step (:mod:`.compiled`)
-        run the same math."""
+        run the same math; ``ops`` its pointwise parts (the compiled steps trace the reference,
+        which Inductor fuses; the eager step takes its kernels' choice)."""
         n = h.shape[0]
+        x = ops.rms_norm(h, layers[0]["input_norm"], self.eps) if layers else h
         for i, L in enumerate(layers):
-            x = _rms_norm(h, L["input_norm"], self.eps)
             q, k, v = torch.split(project(i, "qkv", x, L["qkv"], L["qkv_bias"]),
                                   [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, self.n_q, self.head_dim)
             k = k.reshape(n, self.n_kv, self.head_dim)
             v = v.reshape(n, self.n_kv, self.head_dim)
             if L["q_norm"] is not None:
-                q = _rms_norm(q, L["q_norm"], self.eps)
-                k = _rms_norm(k, L["k_norm"], self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = ops.rms_norm(q, L["q_norm"], self.eps)
+                k = ops.rms_norm(k, L["k_norm"], self.eps)
+            q, k = ops.rope(q, k, cos, sin)
             a = attend(i, q, k, v, x).reshape(n, self.q_size)
-            h = h + project(i, "o", a, L["o"])
-            x = _rms_norm(h, L["post_norm"], self.eps)
-            gate, up = torch.split(project(i, "gate_up", x, L["gate_up"]), [self.inter, self.inter], dim=-1)
-            act = F.silu(gate) * up
-            h = h + project(i, "down", act, L["down"])
+            h, x = ops.add_rms_norm(h, project(i, "o", a, L["o"]), L["post_norm"], self.eps)
+            down = project(i, "down", ops.silu_mul(project(i, "gate_up", x, L["gate_up"]), self.inter), L["down"])
+            if i + 1 < len(layers):  # the residual add and the next layer's input norm in one pass
+                h, x = ops.add_rms_norm(h, down, layers[i + 1]["input_norm"], self.eps)
+            else:
+                h = h + down
             if capture is not None:
                 capture(h)
         return h
