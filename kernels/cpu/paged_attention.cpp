@@ -377,23 +377,61 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax weights of one vector's n scores (times scale), in bfloat16 into w; returns their
-// float sum (the output is divided by it, as the decode path does)
-inline float softmax_to_weights(const float* s, int64_t n, c10::BFloat16* w) {
+// Softmax weights of one vector's n raw scores (q . k, scaled here), in bfloat16 into w; returns
+// their float sum (the output is divided by it, as the decode path does)
+inline float softmax_to_weights(const float* s, int64_t n, float scale, c10::BFloat16* w) {
   const auto mask_of = [&](int64_t t) {
     return n - t >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - t)) - 1);
   };
   __m512 top = _mm512_set1_ps(-3.0e38f);
   for (int64_t t = 0; t < n; t += 16) top = _mm512_mask_max_ps(top, mask_of(t), _mm512_maskz_loadu_ps(mask_of(t), s + t), top);
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top)), by = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 k = mask_of(t);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+    const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m), by)));
     sum = _mm512_add_ps(sum, e);
     _mm256_mask_storeu_epi16(w + t, k, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
   return _mm512_reduce_add_ps(sum);
+}
+
+// A prompt chunk's keys transposed in dim pairs, as tile products take them on the right: per
+// 16 keys, per half of the dims, 16 rows (dim pairs) of 16 keys' pairs (32-bit each); zeros
+// past ``longest``. Built once per task and read by each of its groups, so that every group's
+// scores come out with a row per query vector, stored as they are (no transposition per group:
+// gathering each vector's column out of a keys-by-vectors product took most of a chunk's time).
+void keys_in_pairs(const c10::BFloat16* kbase, const Cache& kc, const int32_t* table, int64_t block_size,
+                   int64_t longest, std::vector<uint32_t>& keys_t) {
+  const int64_t padded = (longest + 15) / 16 * 16;
+  keys_t.assign(padded * 32, 0u);
+  for (int64_t t = 0; t < longest; ++t) {
+    const auto* key = reinterpret_cast<const uint32_t*>(kbase + table[t / block_size] * kc.block +
+                                                        (t % block_size) * kc.token);
+    uint32_t* dst = keys_t.data() + t / 16 * 512 + t % 16;
+    for (int64_t pair = 0; pair < 32; ++pair) dst[(pair / 16) * 256 + (pair % 16) * 16] = key[pair];
+  }
+}
+
+// Raw scores (q . k) of 16 vectors (raw bfloat16, 16 x 64) against keys_in_pairs' keys, into
+// sc (a row of ``stride`` floats per vector, up to the last whole 16 keys), in AVX512-BF16 dot
+// products: per dim pair, 16 keys' pairs fill one register and each vector's pair is broadcast.
+void chunk_scores_dpbf16(const c10::BFloat16* raw, const std::vector<uint32_t>& keys_t, int64_t longest, float* sc,
+                         int64_t stride) {
+  const auto* q = reinterpret_cast<const int32_t*>(raw);
+  for (int64_t first = 0; first < longest; first += 16) {
+    const uint32_t* block = keys_t.data() + first / 16 * 512;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int pair = 0; pair < 32; ++pair) {
+      const __m512bh keys = (__m512bh)_mm512_loadu_si512(block + (pair / 16) * 256 + (pair % 16) * 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], keys, (__m512bh)_mm512_set1_epi32(q[j * 32 + pair]));
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(sc + j * stride + first, acc[j]);
+  }
 }
 
 // A prompt chunk's values in key pairs, as tile products take them: row i holds keys 2i and
@@ -454,6 +492,27 @@ void value_pass_amx(const c10::BFloat16* weights, int64_t stride, int64_t longes
   _tile_release();
 }
 
+// chunk_scores_dpbf16 on tiles: tiles 1-2 the vectors' halves (16 vectors x 32 dims), 3-4 a
+// block of 16 keys' halves in pairs, 0 the 16 x 16 scores, stored row by row into sc
+void chunk_scores_amx(const c10::BFloat16* raw, const std::vector<uint32_t>& keys_t, int64_t longest, float* sc,
+                      int64_t stride) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  _tile_loadd(1, raw, 64 * sizeof(c10::BFloat16));
+  _tile_loadd(2, raw + 32, 64 * sizeof(c10::BFloat16));
+  for (int64_t first = 0; first < longest; first += 16) {
+    const uint32_t* block = keys_t.data() + first / 16 * 512;
+    _tile_zero(0);
+    _tile_loadd(3, block, 64);
+    _tile_loadd(4, block + 256, 64);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, sc + first, stride * sizeof(float));
+  }
+  _tile_release();
+}
+
 #endif  // KVSHARE_AMX
 
 // Weighted values of 16 vectors, as value_pass_amx takes them (weights: 16 x longest bfloat16,
@@ -489,7 +548,8 @@ void attend_chunk(bool on_tiles, const c10::BFloat16* q, int64_t q_row, int64_t 
                       const int32_t* table, int64_t block_size, const int32_t* row_lens, int64_t first_row,
                       int64_t begin, int64_t end, int64_t kv_head, int64_t ratio, float scale, c10::BFloat16* out,
                       int64_t out_row, int64_t out_head, std::vector<float>& scores,
-                      std::vector<c10::BFloat16>& weights, std::vector<c10::BFloat16>& pairs) {
+                      std::vector<c10::BFloat16>& weights, std::vector<c10::BFloat16>& pairs,
+                      std::vector<uint32_t>& keys_t) {
 #ifndef KVSHARE_AMX
   TORCH_CHECK(!on_tiles, "this build has no AMX path");
 #endif
@@ -500,6 +560,7 @@ void attend_chunk(bool on_tiles, const c10::BFloat16* q, int64_t q_row, int64_t 
   int64_t task_longest = 0;
   for (int64_t j = begin; j < end; ++j) task_longest = std::max<int64_t>(task_longest, row_lens[row_of(j)]);
   values_in_pairs(vbase, vc, table, block_size, task_longest, pairs);
+  keys_in_pairs(kbase, kc, table, block_size, task_longest, keys_t);
   alignas(64) BF16 raw[kChunkGroup * 64];
   alignas(64) float acc[kChunkGroup * 64];
   for (int64_t first = begin; first < end; first += kChunkGroup) {
@@ -519,19 +580,18 @@ void attend_chunk(bool on_tiles, const c10::BFloat16* q, int64_t q_row, int64_t 
       }
       continue;
     }
-    const int64_t padded = (longest + 31) / 32 * 32;
-    if (static_cast<int64_t>(scores.size()) < kChunkGroup * longest) scores.resize(kChunkGroup * longest);
-    const auto walk = key_tiles(kbase, kc, table, block_size, longest);
+    const int64_t padded = (longest + 31) / 32 * 32, stride = (longest + 15) / 16 * 16;
+    if (static_cast<int64_t>(scores.size()) < kChunkGroup * stride) scores.resize(kChunkGroup * stride);
 #ifdef KVSHARE_AMX
     if (on_tiles)
-      score_pass_amx<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, walk);
+      chunk_scores_amx(raw, keys_t, longest, scores.data(), stride);
     else
 #endif
-      score_pass_dpbf16<kChunkGroup>(raw, scale, kc.token, scores.data(), longest, walk);
+      chunk_scores_dpbf16(raw, keys_t, longest, scores.data(), stride);
     float total[kChunkGroup];
     weights.assign(kChunkGroup * padded, BF16());
     for (int64_t j = 0; j < g; ++j)
-      total[j] = softmax_to_weights(scores.data() + j * longest, lens[j], weights.data() + j * padded);
+      total[j] = softmax_to_weights(scores.data() + j * stride, lens[j], scale, weights.data() + j * padded);
 #ifdef KVSHARE_AMX
     if (on_tiles)
       value_pass_amx(weights.data(), padded, longest, pairs.data(), acc);
@@ -685,6 +745,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     [[maybe_unused]] std::vector<c10::BFloat16> weights, pairs;
+    [[maybe_unused]] std::vector<uint32_t> keys_t;
     for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
       const Task& task = tasks[i];
       const int64_t s = task.seq, h = task.kv_head, rows = sp[s + 1] - sp[s];
@@ -693,7 +754,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
         if (chunks != ChunkPath::kNone && rows > kChunkRows) {
           attend_chunk(chunks == ChunkPath::kTiles, qp, q.stride(0), q.stride(1), kc, vc, tp + s * width, block_size,
                        lp, sp[s], task.begin, task.end, h, ratio, static_cast<float>(scale), op, out.stride(0),
-                       out.stride(1), scores, weights, pairs);
+                       out.stride(1), scores, weights, pairs, keys_t);
           continue;
         }
       }
