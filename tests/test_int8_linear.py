@@ -126,7 +126,7 @@ def test_other_dtypes_take_the_reference():
 
 def test_the_backend_is_offered_for_linear_only():
     assert Kernels("int8").choice == {"paged_attention": "torch", "write_kv": "torch", "gathered_lora": "torch",
-                                      "linear": "int8", "residual_attention": "torch"}
+                                      "linear": "int8", "residual_attention": "torch", "pointwise": "torch"}
 
 
 def _model(llm):

@@ -50,10 +50,11 @@ inline T store(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
+    const float rounded = round_to<T>(x);
     uint32_t bits;
-    std::memcpy(&bits, &x, sizeof(bits));
+    std::memcpy(&bits, &rounded, sizeof(bits));
     c10::BFloat16 out;
-    out.x = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    out.x = static_cast<uint16_t>(bits >> 16);
     return out;
   }
 }
