@@ -399,8 +399,9 @@ inline float softmax_to_weights(const float* s, int64_t n, float scale, c10::BFl
 // A prompt chunk's keys transposed in dim pairs, as tile products take them on the right: per
 // 16 keys, per half of the dims, 16 rows (dim pairs) of 16 keys' pairs (32-bit each); zeros
 // past ``longest``. Built once per task and read by each of its groups, so that every group's
-// scores come out with a row per query vector, stored as they are (no transposition per group:
-// gathering each vector's column out of a keys-by-vectors product took most of a chunk's time).
+// scores come out with a row per query vector, stored as they are. Gathering each vector's
+// column out of a keys-by-vectors product per group made a 4k-token bf16 prefill's attention
+// take 1.55-1.60 s against 1.21-1.39 s this way (2 AMX cores, SmolLM2, A/B of the two builds).
 void keys_in_pairs(const c10::BFloat16* kbase, const Cache& kc, const int32_t* table, int64_t block_size,
                    int64_t longest, std::vector<uint32_t>& keys_t) {
   const int64_t padded = (longest + 15) / 16 * 16;
