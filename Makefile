@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 PIP_INSTALL := $(BIN)/python -m pip install -c constraints.txt $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 STAMP := $(VENV)/.kvshare-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers, one OpenMP thread each (tests/conftest.py): most of the suite's time is
+# single-threaded (Inductor compiles, subprocesses), so two workers fit two cores
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo lock clean
 
@@ -17,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/kvshare story

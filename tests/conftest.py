@@ -23,6 +23,11 @@ _CACHE = Path(__file__).resolve().parent.parent / ".test-cache"
 for _name, _folder in (("KVSHARE_HOME", "kvshare"), ("TRITON_CACHE_DIR", "triton"), ("MPLCONFIGDIR", "matplotlib")):
     os.environ.setdefault(_name, str(_CACHE / _folder))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: each worker (and every process a test starts) computes on one OpenMP thread,
+    # so that N workers share the cores without spin-waiting on each other's teams
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

