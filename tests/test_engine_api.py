@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -258,3 +260,17 @@ def test_a_model_the_forward_would_compute_differently_is_refused(tiny_llama, ch
     (tiny_llama / "config.json").write_text(json.dumps(config))
     with pytest.raises(KvshareError, match="bias|sliding window|picks its frequencies"):
         LLM(tiny_llama, kv_cache_tokens=64, block_size=4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_engine_keeps_no_mapping_of_its_weights_file(tmp_path):
+    """The engine copies the weights it keeps, even where the file holds its dtype: a tensor
+    loaded as it is maps the file, and the whole mapping stayed resident beside the fused
+    q/k/v and gate/up copies (SmolLM2 float32: 513 MB of file pages)."""
+    from kvshare.serve.exec.model import Model
+    from kvshare.testing import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "float32-model", "llama")  # float32, as the engine's default
+    model = Model(folder)
+    mapped = [line.split()[-1] for line in open("/proc/self/maps") if str(folder) in line]
+    assert model.layers and mapped == []
