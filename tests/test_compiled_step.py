@@ -154,6 +154,21 @@ def test_after_a_compile_its_cyclic_garbage_is_freed_at_once():
         gc.enable()
 
 
+def test_a_compile_frees_its_garbage_before_its_graph_first_runs(base, tokenizer, monkeypatch):
+    """The collection runs as Dynamo's compile ends, before the new graph first runs and pages in
+    its constants (the start's peak); after the graph ran, only the heap is trimmed."""
+    calls = []
+    graphs = shared_constants.graph_modules
+    monkeypatch.setattr(compiled_module, "return_freed_memory",
+                        lambda collect=True: calls.append((collect, len(graphs()))))
+    llm = LLM(base, compile="on", **SETTINGS)  # a new engine: its graph is lowered again
+    loaded = len(graphs())
+    _generate(llm, prompts_for(tokenizer, 1), [None], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [collect for collect, _ in calls] == [True, False]
+    assert calls[0][1] > loaded  # (the graph's module is in: the compile had ended)
+    assert not torch._dynamo.callback_handler.end_callbacks  # the callback was only for this compile
+
+
 def _chunk_beside_decoding(llm, tokenizer, chunk: int = 40) -> tuple[list[int], int, int, list[list[int]]]:
     """Three sequences (base, LoRA, ICaRus pair) decode, then a ``chunk``-row prompt joins
     them: the row counts of the forwards that step ran as, the compiled forwards of that step

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import weakref
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -187,6 +187,20 @@ def gemm_options(model: Model) -> dict:
     if model.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() == "AVX512":
         return {"max_autotune_gemm_backends": "CPP"}
     return {}
+
+
+@contextmanager
+def _freed_at_compile_end():
+    """Free a compile's garbage as Dynamo's compile ends, before the new graph first runs (and
+    pages in its packed constants): the frozen graph and the weights freezing prepacked for it
+    would otherwise still be in memory then, at the start's peak."""
+    handler = torch._dynamo.callback_handler
+    callback = lambda args: return_freed_memory()  # noqa: E731
+    handler.register_end_callback(callback)
+    try:
+        yield
+    finally:
+        handler.remove_end_callback(callback)
 
 
 def _linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -540,10 +554,12 @@ class CompiledStep(BucketedStep):
                     settings.enter_context(torch._inductor.config.patch(freezing=True,
                                                                         post_grad_custom_post_pass=self._key()))
                     settings.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=not first))
+                if first:  # the compile's garbage goes before the new graph first runs
+                    settings.enter_context(_freed_at_compile_end())
                 hidden = call_in_fresh_chunk(self._prepare()[1][adapted], tokens, positions, *lora)
             if first:  # the new graph's packed weights: one copy with the earlier graphs' equal ones
                 self.shared_bytes += share_constants([m for m in graph_modules() if id(m) not in loaded])
-                return_freed_memory()
+                return_freed_memory(collect=False)
             return hidden
         except Exception as err:
             if not first:

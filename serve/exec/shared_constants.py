@@ -29,15 +29,17 @@ _canonical: dict[tuple, list[weakref.ref]] = {}  # fingerprint -> constants kept
 _lock = threading.Lock()
 
 
-def return_freed_memory() -> None:
+def return_freed_memory(collect: bool = True) -> None:
     """Free what a compile left behind and hand the heap's free pages back to the system (glibc's
     ``malloc_trim``): the copies dropped and the compile's own scratch otherwise stay resident,
     and the next compile's peak starts from there. The collection comes first: the frozen graph
     a compile lowers sits in reference cycles, holding the weights as the freezing pass
     prepacked them for oneDNN/MKL, which the GEMM template's graph never reads (it packs its own
     copy); they waited for Python's next full collection (SmolLM2 float32, 2 graphs, a 2-vCPU
-    Xeon: RSS 3199 MB before, 2508 MB after). The trim is a no-op where the C library is not glibc."""
-    gc.collect()
+    Xeon: RSS 3199 MB before, 2508 MB after). The trim is a no-op where the C library is not glibc.
+    ``collect=False``: the trim alone (a full collection holds Python's lock for about 0.3 s)."""
+    if collect:
+        gc.collect()
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own C library
     if trim is not None:  # (not glibc, e.g. macOS or musl: its allocator keeps its own policy)
         trim(0)
